@@ -1,0 +1,16 @@
+// Subcommands of the `dflash` binary. Each registers its options on the CLI11
+// app and returns the function that runs it (exit status).
+#pragma once
+
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace dflash::cli {
+
+using Command = std::function<int()>;
+
+Command add_generate(CLI::App& app);
+Command add_inspect(CLI::App& app);
+
+}  // namespace dflash::cli

@@ -1,0 +1,69 @@
+// Public API of the engine: load a target (and optionally a DFlash draft) and
+// generate greedily for one sequence, plainly or with DFlash speculation.
+// The CLI and, later, the server include only this header.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "formats/model_config.h"
+
+namespace dflash {
+
+enum class SpeculativeMode { None, DFlash };
+
+struct EngineOptions {
+  std::string model_dir;
+  std::string draft_dir;   // empty: no draft
+  std::string device = "cpu";
+  int page_size = 16;      // KV-cache page size in tokens
+  int block_size = 0;      // DFlash block size; 0 = the draft's own
+};
+
+struct GenerateOptions {
+  int max_tokens = 128;
+  SpeculativeMode mode = SpeculativeMode::None;
+  std::vector<int32_t> eos_ids;  // empty: the model's generation_config / config
+  bool use_default_eos = true;   // false with empty eos_ids: never stop on a token
+};
+
+struct GenerationStats {
+  int n_prompt_tokens = 0;
+  int n_generated = 0;
+  int n_steps = 0;                     // target forwards after the prefill
+  int block_size = 1;                  // 1 for plain decoding
+  std::vector<int> acceptance_histogram;  // [i] = steps that produced i+1 tokens
+  double tau = 1.0;                    // mean acceptance length
+  double prefill_ms = 0, decode_ms = 0, draft_ms = 0, verify_ms = 0, total_ms = 0;
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated ids (EOS included when it stopped there)
+  std::string stop_reason;      // "eos", "length" (max_tokens) or "context" (max positions)
+  GenerationStats stats;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& opts);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  GenerationResult generate(const std::vector<int32_t>& prompt, const GenerateOptions& opts);
+
+  const ModelConfig& target_config() const;
+  bool has_draft() const;
+  const DraftConfig* draft_config() const;  // null without a draft
+  int block_size() const;                   // effective DFlash block size
+  const std::vector<int32_t>& default_eos_ids() const;
+  const std::string& backend_name() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dflash

@@ -1,0 +1,57 @@
+// Per-sequence decoding state: committed tokens, cache lengths and page
+// tables, the pending token and the output collected so far.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <unordered_set>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/page_allocator.h"
+#include "kernels/backend.h"
+#include "model/dflash_draft.h"
+#include "model/target_model.h"
+
+namespace dflash {
+
+struct Sequence {
+  std::vector<int32_t> tokens;         // prompt + committed tokens (tokens in the target cache)
+  int32_t n_cached = 0;                // target KV entries valid: positions 0..n_cached-1
+  int32_t n_draft_ctx = 0;             // draft context entries: positions 0..n_draft_ctx-1
+  std::vector<int32_t> target_pages, draft_pages;
+  int32_t pending = -1;                // sampled by the target, not yet run through it
+};
+
+// Everything one generate() call works with.
+struct DecodeContext {
+  Backend& be;
+  TargetModel& target;
+  DraftModel* draft;                   // null for plain decoding
+  KvCache& target_cache;
+  KvCache* draft_cache;
+  PageAllocator& target_pages;
+  PageAllocator* draft_pages;
+  const GenerateOptions& opts;
+  std::unordered_set<int32_t> eos;
+  int block_size;
+  Sequence seq;
+  GenerationResult result;
+
+  // Appends a generated token; true when generation must stop after it.
+  bool emit(int32_t token);
+  bool done = false;
+};
+
+using Clock = std::chrono::steady_clock;
+inline double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// Reserves pages so that `table` covers n_positions or throws (the caller sized the pool).
+void reserve_or_throw(PageAllocator& pages, std::vector<int32_t>& table, int64_t n_positions);
+
+void run_plain(DecodeContext& ctx);   // greedy, one token per target forward
+void run_dflash(DecodeContext& ctx);  // greedy DFlash speculative decoding
+
+}  // namespace dflash

@@ -1,0 +1,275 @@
+#include "formats/model_config.h"
+
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+#include "util/mapped_file.h"
+
+namespace dflash {
+
+using nlohmann::json;
+
+namespace {
+
+// Typed field access; every message names the source and the field.
+class Fields {
+ public:
+  Fields(const json& j, std::string where) : j_(j), where_(std::move(where)) {
+    check(j_.is_object(), where_, ": expected a JSON object");
+  }
+  bool has(const char* k) const { return j_.contains(k) && !j_[k].is_null(); }
+  const json& raw(const char* k) const { return j_[k]; }
+
+  int64_t integer(const char* k) const {
+    check(has(k), where_, ": missing required field '", k, "'");
+    return integer_value(j_[k], k);
+  }
+  int64_t integer(const char* k, int64_t dflt) const { return has(k) ? integer_value(j_[k], k) : dflt; }
+  int64_t positive(const char* k) const {
+    int64_t v = integer(k);
+    check(v > 0, where_, ": field '", k, "' must be positive, got ", v);
+    check(v <= (int64_t{1} << 30), where_, ": field '", k, "' is implausibly large: ", v);
+    return v;
+  }
+  double number(const char* k) const {
+    check(has(k), where_, ": missing required field '", k, "'");
+    return number_value(j_[k], k);
+  }
+  double number(const char* k, double dflt) const { return has(k) ? number_value(j_[k], k) : dflt; }
+  bool boolean(const char* k, bool dflt) const {
+    if (!has(k)) return dflt;
+    check(j_[k].is_boolean(), where_, ": field '", k, "' must be a boolean");
+    return j_[k].get<bool>();
+  }
+  std::string string(const char* k) const {
+    check(has(k), where_, ": missing required field '", k, "'");
+    check(j_[k].is_string(), where_, ": field '", k, "' must be a string");
+    return j_[k].get<std::string>();
+  }
+  std::vector<int> int_list(const char* k) const {  // an int or a list of ints
+    const json& v = j_[k];
+    std::vector<int> out;
+    if (v.is_array()) {
+      for (const auto& e : v) out.push_back(static_cast<int>(integer_value(e, k)));
+    } else {
+      out.push_back(static_cast<int>(integer_value(v, k)));
+    }
+    return out;
+  }
+  const std::string& where() const { return where_; }
+
+ private:
+  int64_t integer_value(const json& v, const char* k) const {
+    check(v.is_number_integer(), where_, ": field '", k, "' must be an integer");
+    return v.get<int64_t>();
+  }
+  double number_value(const json& v, const char* k) const {
+    check(v.is_number(), where_, ": field '", k, "' must be a number");
+    double d = v.get<double>();
+    check(std::isfinite(d), where_, ": field '", k, "' must be finite");
+    return d;
+  }
+  const json& j_;
+  std::string where_;
+};
+
+// Accepts transformers 5 `rope_parameters` and the older `rope_theta` + `rope_scaling`.
+RopeConfig parse_rope(const Fields& f) {
+  RopeConfig r;
+  const json* params = nullptr;
+  std::string params_name;
+  if (f.has("rope_parameters")) {
+    params = &f.raw("rope_parameters");
+    params_name = "rope_parameters";
+  } else if (f.has("rope_scaling")) {
+    params = &f.raw("rope_scaling");
+    params_name = "rope_scaling";
+  }
+  r.theta = f.number("rope_theta", 10000.0);
+  if (params) {
+    Fields p(*params, cat(f.where(), ": ", params_name));
+    r.theta = p.number("rope_theta", r.theta);
+    std::string type = "default";
+    if (p.has("rope_type")) type = p.string("rope_type");
+    else if (p.has("type")) type = p.string("type");
+    if (type == "llama3") {
+      r.type = RopeType::Llama3;
+      r.factor = p.number("factor");
+      r.low_freq_factor = p.number("low_freq_factor");
+      r.high_freq_factor = p.number("high_freq_factor");
+      r.original_max_positions = p.integer("original_max_position_embeddings");
+      check(r.factor > 0 && r.high_freq_factor > r.low_freq_factor && r.low_freq_factor > 0 &&
+                r.original_max_positions > 0,
+            p.where(), ": inconsistent llama3 scaling parameters");
+    } else {
+      check(type == "default", p.where(), ": unsupported rope type '", type, "' (supported: default, llama3)");
+    }
+  }
+  check(r.theta > 0, f.where(), ": rope_theta must be positive");
+  return r;
+}
+
+void parse_layers(const Fields& f, ModelConfig& c) {
+  c.n_embd = static_cast<int>(f.positive("hidden_size"));
+  c.n_layers = static_cast<int>(f.positive("num_hidden_layers"));
+  c.n_heads = static_cast<int>(f.positive("num_attention_heads"));
+  c.n_kv_heads = f.has("num_key_value_heads") ? static_cast<int>(f.positive("num_key_value_heads")) : c.n_heads;
+  check(c.n_heads % c.n_kv_heads == 0, f.where(), ": num_attention_heads (", c.n_heads,
+        ") is not a multiple of num_key_value_heads (", c.n_kv_heads, ")");
+  if (f.has("head_dim")) {
+    c.head_dim = static_cast<int>(f.positive("head_dim"));
+  } else {
+    check(c.n_embd % c.n_heads == 0, f.where(), ": missing field 'head_dim' and hidden_size is not a multiple of heads");
+    c.head_dim = c.n_embd / c.n_heads;
+  }
+  check(c.head_dim % 2 == 0, f.where(), ": head_dim must be even for RoPE, got ", c.head_dim);
+  c.n_ff = static_cast<int>(f.positive("intermediate_size"));
+  c.rms_norm_eps = static_cast<float>(f.number("rms_norm_eps", 1e-6));
+  check(c.rms_norm_eps > 0, f.where(), ": rms_norm_eps must be positive");
+  c.max_positions = static_cast<int>(f.has("max_position_embeddings") ? f.positive("max_position_embeddings") : 32768);
+  if (f.has("hidden_act")) {
+    const auto act = f.string("hidden_act");
+    check(act == "silu", f.where(), ": unsupported hidden_act '", act, "' (supported: silu)");
+  }
+  c.rope = parse_rope(f);
+  c.sliding_window.assign(c.n_layers, 0);
+}
+
+// Per-layer sliding windows from `layer_types` + `sliding_window`.
+void parse_windows(const Fields& f, ModelConfig& c) {
+  if (!f.has("layer_types")) return;
+  const json& types = f.raw("layer_types");
+  check(types.is_array() && static_cast<int>(types.size()) == c.n_layers, f.where(),
+        ": field 'layer_types' must list one type per layer (", c.n_layers, ")");
+  for (int i = 0; i < c.n_layers; ++i) {
+    check(types[i].is_string(), f.where(), ": field 'layer_types' must hold strings");
+    const auto t = types[i].get<std::string>();
+    if (t == "sliding_attention") {
+      c.sliding_window[i] = static_cast<int>(f.positive("sliding_window"));
+    } else {
+      check(t == "full_attention", f.where(), ": unsupported layer type '", t, "' in 'layer_types'");
+    }
+  }
+}
+
+}  // namespace
+
+bool is_draft_architecture(const std::string& arch) {
+  return arch == "DFlashDraftModel" || arch == "Qwen3DFlashDraftModel";
+}
+
+static std::string first_architecture(const Fields& f) {
+  check(f.has("architectures") && f.raw("architectures").is_array() && !f.raw("architectures").empty() &&
+            f.raw("architectures")[0].is_string(),
+        f.where(), ": missing required field 'architectures'");
+  return f.raw("architectures")[0].get<std::string>();
+}
+
+ModelConfig parse_model_config(const json& j, const std::string& where) {
+  Fields f(j, where);
+  ModelConfig c;
+  c.architecture = first_architecture(f);
+  const bool qwen3 = c.architecture == "Qwen3ForCausalLM";
+  const bool llama = c.architecture == "LlamaForCausalLM";
+  check(qwen3 || llama, where, ": unsupported architecture '", c.architecture,
+        "' (supported: Qwen3ForCausalLM, LlamaForCausalLM)");
+  c.n_vocab = static_cast<int>(f.positive("vocab_size"));
+  parse_layers(f, c);
+  c.tie_embeddings = f.boolean("tie_word_embeddings", false);  // both families default to untied
+  c.qk_norm = qwen3;
+  c.attention_bias = f.boolean("attention_bias", false);
+  c.mlp_bias = f.boolean("mlp_bias", false);
+  if (qwen3) {
+    check(!f.boolean("use_sliding_window", false), where, ": use_sliding_window=true is not supported for Qwen3 targets");
+  } else {
+    parse_windows(f, c);
+  }
+  return c;
+}
+
+std::vector<int> default_target_layer_ids(int n_target_layers, int n_draft_layers) {
+  if (n_draft_layers == 1) return {n_target_layers / 2};
+  std::vector<int> ids;
+  for (int i = 0; i < n_draft_layers; ++i) {
+    const double x = 1.0 + i * static_cast<double>(n_target_layers - 4) / (n_draft_layers - 1);
+    ids.push_back(static_cast<int>(std::nearbyint(x)));  // default rounding mode: half to even
+  }
+  return ids;
+}
+
+DraftConfig parse_draft_config(const json& j, const std::string& where) {
+  Fields f(j, where);
+  DraftConfig d;
+  d.layers.architecture = first_architecture(f);
+  check(is_draft_architecture(d.layers.architecture), where, ": architecture '", d.layers.architecture,
+        "' is not a DFlash draft (expected DFlashDraftModel)");
+  parse_layers(f, d.layers);
+  parse_windows(f, d.layers);
+  d.layers.n_vocab = static_cast<int>(f.integer("vocab_size", 0));
+  d.layers.qk_norm = true;
+  d.block_size = static_cast<int>(f.positive("block_size"));
+  check(d.block_size >= 2, where, ": block_size must be at least 2");
+  d.n_target_layers = static_cast<int>(f.positive("num_target_layers"));
+  check(f.has("dflash_config"), where, ": missing required field 'dflash_config'");
+  Fields dc(f.raw("dflash_config"), where + ": dflash_config");
+  d.mask_token_id = static_cast<int>(dc.integer("mask_token_id"));
+  check(d.mask_token_id >= 0, where, ": dflash_config.mask_token_id must be non-negative");
+  if (dc.has("target_layer_ids")) {
+    check(dc.raw("target_layer_ids").is_array() && !dc.raw("target_layer_ids").empty(), where,
+          ": dflash_config.target_layer_ids must be a non-empty list");
+    d.target_layer_ids = dc.int_list("target_layer_ids");
+  } else {
+    d.target_layer_ids = default_target_layer_ids(d.n_target_layers, d.layers.n_layers);
+  }
+  for (int id : d.target_layer_ids) {
+    check(id >= 0 && id < d.n_target_layers, where, ": target layer id ", id, " is outside 0..",
+          d.n_target_layers - 1);
+  }
+  return d;
+}
+
+GenerationConfig parse_generation_config(const json& j, const std::string& where) {
+  Fields f(j, where);
+  GenerationConfig g;
+  if (f.has("eos_token_id")) g.eos_token_ids = f.int_list("eos_token_id");
+  if (f.has("bos_token_id")) g.bos_token_id = static_cast<int>(f.integer("bos_token_id"));
+  if (f.has("temperature")) g.temperature = f.number("temperature");
+  if (f.has("top_p")) g.top_p = f.number("top_p");
+  if (f.has("top_k")) g.top_k = static_cast<int>(f.integer("top_k"));
+  if (f.has("max_new_tokens")) g.max_new_tokens = static_cast<int>(f.integer("max_new_tokens"));
+  return g;
+}
+
+json load_config_json(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  check(file_exists(path), dir, ": no config.json (is this a Hugging Face model directory?)");
+  try {
+    return json::parse(read_text_file(path));
+  } catch (const json::exception& e) {
+    throw Error(cat(path, ": invalid JSON: ", e.what()));
+  }
+}
+
+ModelConfig load_model_config(const std::string& dir) {
+  return parse_model_config(load_config_json(dir), dir + "/config.json");
+}
+
+DraftConfig load_draft_config(const std::string& dir) {
+  return parse_draft_config(load_config_json(dir), dir + "/config.json");
+}
+
+GenerationConfig load_generation_config(const std::string& dir) {
+  const std::string path = dir + "/generation_config.json";
+  if (!file_exists(path)) return {};
+  json j;
+  try {
+    j = json::parse(read_text_file(path));
+  } catch (const json::exception& e) {
+    throw Error(cat(path, ": invalid JSON: ", e.what()));
+  }
+  return parse_generation_config(j, path);
+}
+
+}  // namespace dflash

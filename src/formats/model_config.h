@@ -1,0 +1,77 @@
+// config.json of the supported checkpoints: Qwen3/Llama targets and DFlash
+// drafts, plus generation_config.json. Every field is checked; an error names
+// the file and the field.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace dflash {
+
+enum class RopeType { Default, Llama3 };
+
+struct RopeConfig {
+  RopeType type = RopeType::Default;
+  double theta = 10000.0;
+  // llama3 scaling only
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_positions = 8192;
+};
+
+// The shape of a Qwen3/Llama decoder stack (target, or the layers of a draft).
+struct ModelConfig {
+  std::string architecture;     // "Qwen3ForCausalLM", "LlamaForCausalLM", "DFlashDraftModel"
+  int n_vocab = 0;
+  int n_embd = 0;               // hidden_size
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int n_ff = 0;                 // intermediate_size
+  float rms_norm_eps = 1e-6f;
+  int max_positions = 0;
+  RopeConfig rope;
+  bool tie_embeddings = false;
+  bool qk_norm = false;         // Qwen3 (and DFlash drafts): per-head RMSNorm on q and k
+  bool attention_bias = false;  // Llama option: biases on q/k/v/o
+  bool mlp_bias = false;        // Llama option: biases on gate/up/down
+  std::vector<int> sliding_window;  // per layer; 0 = full attention
+};
+
+// DFlash draft: its decoder layers plus the fields that tie it to a target.
+struct DraftConfig {
+  ModelConfig layers;           // n_vocab may be 0 (the draft has no embedding)
+  int block_size = 0;
+  int n_target_layers = 0;
+  int mask_token_id = -1;
+  std::vector<int> target_layer_ids;
+};
+
+struct GenerationConfig {
+  std::vector<int> eos_token_ids;
+  std::optional<int> bos_token_id;
+  std::optional<double> temperature, top_p;
+  std::optional<int> top_k, max_new_tokens;
+};
+
+bool is_draft_architecture(const std::string& arch);
+
+// `where` names the source in messages (usually the file path).
+ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where);
+DraftConfig parse_draft_config(const nlohmann::json& j, const std::string& where);
+GenerationConfig parse_generation_config(const nlohmann::json& j, const std::string& where);
+
+// Read DIR/config.json (and DIR/generation_config.json; absent gives defaults).
+nlohmann::json load_config_json(const std::string& dir);
+ModelConfig load_model_config(const std::string& dir);
+DraftConfig load_draft_config(const std::string& dir);
+GenerationConfig load_generation_config(const std::string& dir);
+
+// DFLASH.md section 1: L evenly spaced layers (round half to even, as Python).
+std::vector<int> default_target_layer_ids(int n_target_layers, int n_draft_layers);
+
+}  // namespace dflash

@@ -1,0 +1,85 @@
+// The compute interface that models are written against. A backend owns
+// device memory and implements each operation; the CPU backend is the
+// reference (fp32), a GPU backend implements the same table.
+//
+// Conventions: weights are [out_features, in_features] as in Hugging Face;
+// activations are [rows, features]; `positions` and `slots` hold one entry per
+// row. Operations may run asynchronously; `to_host`/`argmax` synchronize.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "formats/safetensors.h"
+#include "kernels/tensor.h"
+
+namespace dflash {
+
+// Keys/values of one decoder stack, paged: physical slot = page * page_size + offset.
+struct KvCache {
+  int page_size = 0;
+  int n_pages = 0;
+  std::vector<Tensor> k, v;  // per layer: [n_pages * page_size, n_kv_heads * head_dim]
+};
+
+// One sequence's rows in a batched attention call.
+struct AttentionSegment {
+  int32_t first_row = 0, n_rows = 0;
+  int32_t n_keys = 0;                  // keys at logical positions 0..n_keys-1 are in the cache
+  const int32_t* page_table = nullptr; // logical page -> physical page
+  bool causal = true;                  // false: every query sees every key (DFlash draft block)
+};
+
+struct AttentionParams {
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  int sliding_window = 0;  // 0 = none; else key visible iff q_pos - k_pos < window
+  int page_size = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  // Memory. Contents of new tensors are unspecified.
+  virtual Tensor alloc(int64_t rows, int64_t cols) = 0;
+  // Uploads checkpoint tensors stacked along rows (2-D, same column count), or
+  // 1-D tensors concatenated into a single row; one tensor gives a plain copy.
+  virtual Tensor upload(const std::vector<const TensorInfo*>& parts) = 0;
+  virtual Tensor upload_host(const float* data, int64_t rows, int64_t cols) = 0;
+  virtual std::vector<float> to_host(const Tensor& t) = 0;
+  virtual KvCache alloc_kv(int n_layers, int n_pages, int page_size, int n_kv_heads, int head_dim) = 0;
+
+  // out[r] = table[ids[r]]
+  virtual void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out) = 0;
+  // out = x * w^T (+ bias broadcast over rows)
+  virtual void matmul(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) = 0;
+  // out = rmsnorm(x) * weight, per row
+  virtual void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) = 0;
+  // residual += delta; out = rmsnorm(residual) * weight
+  virtual void add_rms_norm(Tensor& residual, const Tensor& delta, const Tensor& weight, float eps,
+                            Tensor& out) = 0;
+  // In place on x [rows, n_heads*head_dim]: optional per-head RMSNorm (norm_weight
+  // may be null), then rotate-half RoPE with angle position * inv_freq[i].
+  virtual void head_norm_rope(Tensor& x, int n_heads, int head_dim, const Tensor* norm_weight, float eps,
+                              const std::vector<int32_t>& positions, const std::vector<float>& inv_freq) = 0;
+  // out = silu(gate_up[:, :n]) * gate_up[:, n:], n = out.cols
+  virtual void swiglu(const Tensor& gate_up, Tensor& out) = 0;
+  // cache rows slots[r] <- k[r], v[r]
+  virtual void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
+                        const std::vector<int32_t>& slots) = 0;
+  // out[r] = softmax(q[r] K^T / sqrt(d)) V over the keys each segment allows.
+  virtual void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                         const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
+                         const AttentionParams& params, Tensor& out) = 0;
+  // out[i] = src[rows[i]]  (out may be a column slice of a wider tensor)
+  virtual void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) = 0;
+  // Index of the largest value per row (first on ties).
+  virtual std::vector<int32_t> argmax_rows(const Tensor& x) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace dflash

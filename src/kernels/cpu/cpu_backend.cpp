@@ -1,0 +1,263 @@
+// fp32 reference backend. Every output element is computed by one fixed
+// sequence of operations that does not depend on how many rows are in the
+// batch, so a token's result is bit-identical whether it is decoded alone or
+// verified inside a block (the basis of lossless speculative decoding).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/backend.h"
+#include "util/error.h"
+
+namespace dflash {
+namespace {
+
+// Dot product with 16 independent lanes, reduced in a fixed order. The lane
+// loop vectorizes without reassociation, so results do not depend on the
+// compiler's choice of vector width.
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int kLanes = 16;
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * scale);
+}
+
+void require_f32(const Tensor& t, const char* what) {
+  check(t.dtype == DType::F32 && !t.empty(), "cpu backend: ", what, " must be a non-empty F32 tensor");
+}
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+
+  Tensor alloc(int64_t rows, int64_t cols) override {
+    check(rows >= 0 && cols >= 0, "cpu backend: negative tensor size");
+    Tensor t;
+    const size_t n = static_cast<size_t>(std::max<int64_t>(rows * cols, 1));
+    float* p = new float[n];
+    t.storage = std::shared_ptr<void>(p, [](void* q) { delete[] static_cast<float*>(q); });
+    t.data = p;
+    t.dtype = DType::F32;
+    t.rows = rows;
+    t.cols = cols;
+    t.stride = cols;
+    return t;
+  }
+
+  Tensor upload(const std::vector<const TensorInfo*>& parts) override {
+    check(!parts.empty(), "cpu backend: upload of nothing");
+    const bool vectors = parts[0]->shape.size() == 1;
+    int64_t rows = 0, cols = vectors ? 0 : parts[0]->shape.back();
+    for (const auto* p : parts) {
+      check((p->shape.size() == 1) == vectors && (vectors || (p->shape.size() == 2 && p->shape[1] == cols)),
+            p->file, ": tensor '", p->name, "' with shape ", p->shape_str(), " cannot be stacked with '",
+            parts[0]->name, "'");
+      if (vectors) cols += p->n_elements();
+      else rows += p->shape[0];
+    }
+    Tensor t = alloc(vectors ? 1 : rows, cols);
+    float* dst = t.f32();
+    for (const auto* p : parts) {
+      convert_to_f32(p->dtype, p->data, dst, static_cast<size_t>(p->n_elements()));
+      dst += p->n_elements();
+    }
+    return t;
+  }
+
+  Tensor upload_host(const float* data, int64_t rows, int64_t cols) override {
+    Tensor t = alloc(rows, cols);
+    std::memcpy(t.data, data, sizeof(float) * static_cast<size_t>(rows * cols));
+    return t;
+  }
+
+  std::vector<float> to_host(const Tensor& t) override {
+    require_f32(t, "to_host input");
+    std::vector<float> out(static_cast<size_t>(t.rows * t.cols));
+    for (int64_t r = 0; r < t.rows; ++r) std::memcpy(&out[r * t.cols], t.row_f32(r), sizeof(float) * t.cols);
+    return out;
+  }
+
+  KvCache alloc_kv(int n_layers, int n_pages, int page_size, int n_kv_heads, int head_dim) override {
+    KvCache c;
+    c.page_size = page_size;
+    c.n_pages = n_pages;
+    for (int l = 0; l < n_layers; ++l) {
+      c.k.push_back(alloc(int64_t{n_pages} * page_size, int64_t{n_kv_heads} * head_dim));
+      c.v.push_back(alloc(int64_t{n_pages} * page_size, int64_t{n_kv_heads} * head_dim));
+    }
+    return c;
+  }
+
+  void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out) override {
+    require_f32(table, "embedding table");
+    for (size_t r = 0; r < ids.size(); ++r) {
+      check(ids[r] >= 0 && ids[r] < table.rows, "token id ", ids[r], " is outside the vocabulary (0..",
+            table.rows - 1, ")");
+      std::memcpy(out.row_f32(static_cast<int64_t>(r)), table.row_f32(ids[r]), sizeof(float) * table.cols);
+    }
+  }
+
+  void matmul(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) override {
+    require_f32(x, "matmul input");
+    require_f32(w, "matmul weight");
+    check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "cpu backend: matmul shape mismatch");
+    const int64_t n_rows = x.rows, n_out = w.rows, k = x.cols;
+    const float* b = bias ? bias->f32() : nullptr;
+    // Output features outer: a weight row stays in cache while every input row uses it.
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < n_out; ++o) {
+      const float* wr = w.row_f32(o);
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const float v = dot(x.row_f32(r), wr, k);
+        out.row_f32(r)[o] = b ? v + b[o] : v;
+      }
+    }
+  }
+
+  void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) override {
+#pragma omp parallel for schedule(static) if (x.rows > 8)
+    for (int64_t r = 0; r < x.rows; ++r) rms_norm_row(x.row_f32(r), weight.f32(), eps, x.cols, out.row_f32(r));
+  }
+
+  void add_rms_norm(Tensor& residual, const Tensor& delta, const Tensor& weight, float eps, Tensor& out) override {
+#pragma omp parallel for schedule(static) if (residual.rows > 8)
+    for (int64_t r = 0; r < residual.rows; ++r) {
+      float* res = residual.row_f32(r);
+      const float* d = delta.row_f32(r);
+      for (int64_t i = 0; i < residual.cols; ++i) res[i] += d[i];
+      rms_norm_row(res, weight.f32(), eps, residual.cols, out.row_f32(r));
+    }
+  }
+
+  void head_norm_rope(Tensor& x, int n_heads, int head_dim, const Tensor* norm_weight, float eps,
+                      const std::vector<int32_t>& positions, const std::vector<float>& inv_freq) override {
+    const int half = head_dim / 2;
+    check(static_cast<int>(inv_freq.size()) == half, "cpu backend: rope table size mismatch");
+#pragma omp parallel for schedule(static) if (x.rows > 8)
+    for (int64_t r = 0; r < x.rows; ++r) {
+      std::vector<float> cos_t(half), sin_t(half);
+      for (int i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(positions[r]) * inv_freq[i];  // float32, as Hugging Face
+        cos_t[i] = std::cos(angle);
+        sin_t[i] = std::sin(angle);
+      }
+      for (int h = 0; h < n_heads; ++h) {
+        float* v = x.row_f32(r) + int64_t{h} * head_dim;
+        if (norm_weight) rms_norm_row(v, norm_weight->f32(), eps, head_dim, v);
+        for (int i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * cos_t[i] - b * sin_t[i];
+          v[i + half] = b * cos_t[i] + a * sin_t[i];
+        }
+      }
+    }
+  }
+
+  void swiglu(const Tensor& gate_up, Tensor& out) override {
+    const int64_t n = out.cols;
+    check(gate_up.cols == 2 * n, "cpu backend: swiglu shape mismatch");
+#pragma omp parallel for schedule(static) if (out.rows > 8)
+    for (int64_t r = 0; r < out.rows; ++r) {
+      const float* g = gate_up.row_f32(r);
+      float* o = out.row_f32(r);
+      for (int64_t i = 0; i < n; ++i) o[i] = silu(g[i]) * g[n + i];
+    }
+  }
+
+  void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
+                const std::vector<int32_t>& slots) override {
+    for (int64_t r = 0; r < k.rows; ++r) {
+      check(slots[r] >= 0 && slots[r] < k_cache.rows, "cpu backend: KV slot out of range");
+      std::memcpy(k_cache.row_f32(slots[r]), k.row_f32(r), sizeof(float) * k.cols);
+      std::memcpy(v_cache.row_f32(slots[r]), v.row_f32(r), sizeof(float) * v.cols);
+    }
+  }
+
+  void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                 const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
+                 const AttentionParams& p, Tensor& out) override {
+    const int group = p.n_heads / p.n_kv_heads;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+    // Flatten (segment, row, head) so that both cores get work even for one row.
+    struct Item { const AttentionSegment* seg; int32_t row; int head; };
+    std::vector<Item> items;
+    for (const auto& s : segments)
+      for (int32_t r = s.first_row; r < s.first_row + s.n_rows; ++r)
+        for (int h = 0; h < p.n_heads; ++h) items.push_back({&s, r, h});
+#pragma omp parallel
+    {
+      std::vector<float> scores;
+      std::vector<float> acc(p.head_dim);
+#pragma omp for schedule(dynamic, 4)
+      for (size_t it = 0; it < items.size(); ++it) {
+        const auto& [seg, r, h] = items[it];
+        const int kvh = h / group;
+        const int32_t q_pos = positions[r];
+        const float* qv = q.row_f32(r) + int64_t{h} * p.head_dim;
+        scores.assign(seg->n_keys, -std::numeric_limits<float>::infinity());
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int32_t j = 0; j < seg->n_keys; ++j) {
+          if (seg->causal && j > q_pos) continue;
+          if (p.sliding_window > 0 && q_pos - j >= p.sliding_window) continue;
+          const int64_t slot = int64_t{seg->page_table[j / p.page_size]} * p.page_size + j % p.page_size;
+          scores[j] = dot(qv, k_cache.row_f32(slot) + int64_t{kvh} * p.head_dim, p.head_dim) * scale;
+          max_score = std::max(max_score, scores[j]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float sum = 0.0f;
+        for (int32_t j = 0; j < seg->n_keys; ++j) {
+          if (scores[j] == -std::numeric_limits<float>::infinity()) continue;
+          const float e = std::exp(scores[j] - max_score);
+          sum += e;
+          const int64_t slot = int64_t{seg->page_table[j / p.page_size]} * p.page_size + j % p.page_size;
+          const float* vv = v_cache.row_f32(slot) + int64_t{kvh} * p.head_dim;
+          for (int d = 0; d < p.head_dim; ++d) acc[d] += e * vv[d];
+        }
+        float* o = out.row_f32(r) + int64_t{h} * p.head_dim;
+        const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+        for (int d = 0; d < p.head_dim; ++d) o[d] = acc[d] * inv;
+      }
+    }
+  }
+
+  void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) override {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      check(rows[i] >= 0 && rows[i] < src.rows, "cpu backend: gather row out of range");
+      std::memcpy(out.row_f32(static_cast<int64_t>(i)), src.row_f32(rows[i]), sizeof(float) * src.cols);
+    }
+  }
+
+  std::vector<int32_t> argmax_rows(const Tensor& x) override {
+    std::vector<int32_t> out(static_cast<size_t>(x.rows));
+    for (int64_t r = 0; r < x.rows; ++r) {
+      const float* v = x.row_f32(r);
+      out[r] = static_cast<int32_t>(std::max_element(v, v + x.cols) - v);
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace dflash

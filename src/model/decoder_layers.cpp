@@ -1,0 +1,76 @@
+#include "model/decoder_layers.h"
+
+#include "util/error.h"
+
+namespace dflash {
+
+LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i) {
+  const std::string p = cat(prefix, "layers.", i, ".");
+  const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  LayerWeights w;
+  w.attn_norm = be.upload({&s.get(p + "input_layernorm.weight", {h})});
+  w.qkv = be.upload({&s.get(p + "self_attn.q_proj.weight", {q_dim, h}), &s.get(p + "self_attn.k_proj.weight", {kv_dim, h}),
+                     &s.get(p + "self_attn.v_proj.weight", {kv_dim, h})});
+  w.o = be.upload({&s.get(p + "self_attn.o_proj.weight", {h, q_dim})});
+  if (c.attention_bias) {
+    w.qkv_bias = be.upload({&s.get(p + "self_attn.q_proj.bias", {q_dim}), &s.get(p + "self_attn.k_proj.bias", {kv_dim}),
+                            &s.get(p + "self_attn.v_proj.bias", {kv_dim})});
+    w.o_bias = be.upload({&s.get(p + "self_attn.o_proj.bias", {h})});
+  }
+  if (c.qk_norm) {
+    w.q_norm = be.upload({&s.get(p + "self_attn.q_norm.weight", {c.head_dim})});
+    w.k_norm = be.upload({&s.get(p + "self_attn.k_norm.weight", {c.head_dim})});
+  }
+  w.mlp_norm = be.upload({&s.get(p + "post_attention_layernorm.weight", {h})});
+  w.gate_up = be.upload({&s.get(p + "mlp.gate_proj.weight", {c.n_ff, h}), &s.get(p + "mlp.up_proj.weight", {c.n_ff, h})});
+  w.down = be.upload({&s.get(p + "mlp.down_proj.weight", {h, c.n_ff})});
+  if (c.mlp_bias) {
+    w.gate_up_bias = be.upload({&s.get(p + "mlp.gate_proj.bias", {c.n_ff}), &s.get(p + "mlp.up_proj.bias", {c.n_ff})});
+    w.down_bias = be.upload({&s.get(p + "mlp.down_proj.bias", {h})});
+  }
+  return w;
+}
+
+static const Tensor* opt(const Tensor& t) { return t.empty() ? nullptr : &t; }
+
+Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
+                          const std::vector<float>& inv_freq, const Tensor& final_norm, Tensor& x,
+                          const StackInputs& in) {
+  const int64_t n = x.rows, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  Tensor h = be.alloc(n, c.n_embd);
+  Tensor qkv = be.alloc(n, q_dim + 2 * kv_dim);
+  Tensor attn = be.alloc(n, q_dim);
+  Tensor delta = be.alloc(n, c.n_embd);
+  Tensor gate_up = be.alloc(n, 2 * int64_t{c.n_ff});
+  Tensor act = be.alloc(n, c.n_ff);
+  be.rms_norm(x, layers[0].attn_norm, c.rms_norm_eps, h);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerWeights& w = layers[l];
+    be.matmul(h, w.qkv, opt(w.qkv_bias), qkv);
+    Tensor q = qkv.slice_cols(0, q_dim), k = qkv.slice_cols(q_dim, kv_dim), v = qkv.slice_cols(q_dim + kv_dim, kv_dim);
+    be.head_norm_rope(q, c.n_heads, c.head_dim, opt(w.q_norm), c.rms_norm_eps, *in.positions, inv_freq);
+    be.head_norm_rope(k, c.n_kv_heads, c.head_dim, opt(w.k_norm), c.rms_norm_eps, *in.positions, inv_freq);
+    be.kv_write(k, v, in.cache->k[l], in.cache->v[l], *in.kv_slots);
+    AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
+    be.attention(q, in.cache->k[l], in.cache->v[l], *in.segments, *in.positions, ap, attn);
+    be.matmul(attn, w.o, opt(w.o_bias), delta);
+    be.add_rms_norm(x, delta, w.mlp_norm, c.rms_norm_eps, h);
+    be.matmul(h, w.gate_up, opt(w.gate_up_bias), gate_up);
+    be.swiglu(gate_up, act);
+    be.matmul(act, w.down, opt(w.down_bias), delta);
+    const Tensor& next_norm = l + 1 < layers.size() ? layers[l + 1].attn_norm : final_norm;
+    be.add_rms_norm(x, delta, next_norm, c.rms_norm_eps, h);  // x is now layer l's output
+    if (in.capture_layers) {
+      for (size_t k_idx = 0; k_idx < in.capture_layers->size(); ++k_idx) {
+        if ((*in.capture_layers)[k_idx] != static_cast<int>(l)) continue;
+        Tensor dst = in.captured->slice_cols(static_cast<int64_t>(k_idx) * c.n_embd, c.n_embd);
+        std::vector<int32_t> rows(static_cast<size_t>(n));
+        for (int64_t r = 0; r < n; ++r) rows[r] = static_cast<int32_t>(r);
+        be.gather_rows(x, rows, dst);
+      }
+    }
+  }
+  return h;
+}
+
+}  // namespace dflash

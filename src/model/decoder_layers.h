@@ -1,0 +1,56 @@
+// The decoder layer shared by Qwen3/Llama targets and DFlash drafts:
+// pre-norm attention (fused qkv, optional q/k norm, RoPE, GQA over a paged
+// KV cache) and a SwiGLU MLP, with fused residual-add + RMSNorm.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "formats/model_config.h"
+#include "formats/safetensors.h"
+#include "kernels/backend.h"
+
+namespace dflash {
+
+struct LayerWeights {
+  Tensor attn_norm;  // [1, n_embd]  input_layernorm
+  Tensor qkv;        // [(n_heads + 2*n_kv_heads) * head_dim, n_embd]  q_proj ++ k_proj ++ v_proj
+  Tensor qkv_bias;   // [1, (n_heads + 2*n_kv_heads) * head_dim] or empty
+  Tensor q_norm;     // [1, head_dim] or empty (Llama)
+  Tensor k_norm;     // [1, head_dim] or empty (Llama)
+  Tensor o;          // [n_embd, n_heads * head_dim]
+  Tensor o_bias;     // [1, n_embd] or empty
+  Tensor mlp_norm;   // [1, n_embd]  post_attention_layernorm
+  Tensor gate_up;    // [2 * n_ff, n_embd]  gate_proj ++ up_proj
+  Tensor gate_up_bias;  // [1, 2 * n_ff] or empty
+  Tensor down;       // [n_embd, n_ff]
+  Tensor down_bias;  // [1, n_embd] or empty
+
+  // Rows of `qkv` that produce K and V: [2 * n_kv_heads * head_dim, n_embd].
+  Tensor kv_rows(const ModelConfig& c) const {
+    return qkv.slice_rows(int64_t{c.n_heads} * c.head_dim, int64_t{2} * c.n_kv_heads * c.head_dim);
+  }
+};
+
+// Loads layer `i` with tensor names `prefix`layers.i.*, checking every shape.
+LayerWeights load_layer(Backend& be, const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i);
+
+// Per-call inputs of the decoder stack.
+struct StackInputs {
+  const std::vector<int32_t>* positions = nullptr;  // one per row
+  const std::vector<int32_t>* kv_slots = nullptr;   // physical cache slot per row
+  const std::vector<AttentionSegment>* segments = nullptr;
+  KvCache* cache = nullptr;
+  // Optional: after layer j (j in capture_layers), copy the residual stream
+  // into captured.slice_cols(k * n_embd, n_embd) where k is j's index in the list.
+  const std::vector<int>* capture_layers = nullptr;
+  Tensor* captured = nullptr;
+};
+
+// Runs all layers over `x` [rows, n_embd] (the residual stream, updated in place)
+// and returns final_norm(x).
+Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
+                          const std::vector<float>& inv_freq, const Tensor& final_norm, Tensor& x,
+                          const StackInputs& in);
+
+}  // namespace dflash

@@ -1,0 +1,63 @@
+#include "model/dflash_draft.h"
+
+#include "model/rope.h"
+#include "util/error.h"
+
+namespace dflash {
+
+DraftModel::DraftModel(Backend& be, const std::string& dir, const TargetModel& target)
+    : be_(be), dir_(dir), target_(target), cfg_(load_draft_config(dir)) {
+  const ModelConfig& t = target.config();
+  const ModelConfig& c = cfg_.layers;
+  const std::string where = dir + "/config.json";
+  check(c.n_embd == t.n_embd, where, ": draft hidden_size ", c.n_embd, " differs from the target's ", t.n_embd);
+  check(cfg_.n_target_layers == t.n_layers, where, ": num_target_layers is ", cfg_.n_target_layers,
+        " but the target has ", t.n_layers, " layers");
+  check(cfg_.mask_token_id < t.n_vocab, where, ": mask_token_id ", cfg_.mask_token_id,
+        " is outside the target vocabulary (", t.n_vocab, ")");
+  const TensorStore store = TensorStore::open(dir);
+  const int64_t h = c.n_embd, n_ctx = static_cast<int64_t>(cfg_.target_layer_ids.size());
+  w_.fc = be.upload({&store.get("fc.weight", {h, n_ctx * h})});
+  w_.hidden_norm = be.upload({&store.get("hidden_norm.weight", {h})});
+  w_.final_norm = be.upload({&store.get("norm.weight", {h})});
+  for (int i = 0; i < c.n_layers; ++i) w_.layers.push_back(load_layer(be, store, c, "", i));
+  inv_freq_ = rope_inv_freq(c.rope, c.head_dim);
+}
+
+KvCache DraftModel::alloc_cache(int n_pages, int page_size) {
+  return be_.alloc_kv(cfg_.layers.n_layers, n_pages, page_size, cfg_.layers.n_kv_heads, cfg_.layers.head_dim);
+}
+
+void DraftModel::project_context(const Tensor& features, const ForwardBatch& batch, KvCache& cache) {
+  const ModelConfig& c = cfg_.layers;
+  const int64_t n = batch.n_rows(), kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  check(features.rows == n && features.cols == w_.fc.cols, "draft context: features shape mismatch");
+  if (n == 0) return;
+  Tensor projected = be_.alloc(n, c.n_embd);
+  Tensor ctx = be_.alloc(n, c.n_embd);
+  be_.matmul(features, w_.fc, nullptr, projected);
+  be_.rms_norm(projected, w_.hidden_norm, c.rms_norm_eps, ctx);
+  Tensor kv = be_.alloc(n, 2 * kv_dim);
+  for (size_t l = 0; l < w_.layers.size(); ++l) {
+    const LayerWeights& w = w_.layers[l];
+    be_.matmul(ctx, w.kv_rows(c), nullptr, kv);
+    Tensor k = kv.slice_cols(0, kv_dim), v = kv.slice_cols(kv_dim, kv_dim);
+    be_.head_norm_rope(k, c.n_kv_heads, c.head_dim, &w.k_norm, c.rms_norm_eps, batch.positions, inv_freq_);
+    be_.kv_write(k, v, cache.k[l], cache.v[l], batch.kv_slots);
+  }
+}
+
+Tensor DraftModel::forward_block(const ForwardBatch& batch, KvCache& cache) {
+  const ModelConfig& c = cfg_.layers;
+  Tensor x = be_.alloc(batch.n_rows(), c.n_embd);
+  be_.embed(target_.weights().embed, batch.token_ids, x);
+  StackInputs in;
+  in.positions = &batch.positions;
+  in.kv_slots = &batch.kv_slots;
+  in.segments = &batch.segments;
+  in.cache = &cache;
+  Tensor normed = run_decoder_layers(be_, c, w_.layers, inv_freq_, w_.final_norm, x, in);
+  return lm_head_rows(be_, normed, batch.logit_rows, target_.weights().lm_head);
+}
+
+}  // namespace dflash

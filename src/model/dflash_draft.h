@@ -1,0 +1,53 @@
+// DFlash draft (DFLASH.md sections 1-3): decoder layers with no embedding and
+// no lm_head of their own (the target's are borrowed), a context projection
+// fc + hidden_norm of captured target features, and a block forward with
+// bidirectional attention over [cached context K/V] ++ [block K/V].
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "formats/model_config.h"
+#include "model/decoder_layers.h"
+#include "model/forward_batch.h"
+#include "model/target_model.h"
+
+namespace dflash {
+
+struct DraftWeights {
+  Tensor fc;           // [n_embd, n_ctx_layers * n_embd]
+  Tensor hidden_norm;  // [1, n_embd]
+  Tensor final_norm;   // [1, n_embd]  norm
+  std::vector<LayerWeights> layers;
+};
+
+class DraftModel {
+ public:
+  // Checks that the draft fits `target` (hidden size, layer ids, mask token).
+  DraftModel(Backend& be, const std::string& dir, const TargetModel& target);
+
+  // Context projection, once per committed token: c = hidden_norm(fc(features)),
+  // then per layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c) written to `cache`
+  // at batch.kv_slots. `features` [batch rows, n_ctx_layers * n_embd].
+  void project_context(const Tensor& features, const ForwardBatch& batch, KvCache& cache);
+
+  // Block forward: batch rows are the blocks [t_s, M, ..., M] added with
+  // causal=false after each sequence's context. Their K/V go to the cache slots
+  // after the context but the caller does not count them as cached. Returns the
+  // logits of batch.logit_rows through the target's lm_head.
+  Tensor forward_block(const ForwardBatch& batch, KvCache& cache);
+
+  KvCache alloc_cache(int n_pages, int page_size);
+  const DraftConfig& config() const { return cfg_; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  Backend& be_;
+  std::string dir_;
+  const TargetModel& target_;
+  DraftConfig cfg_;
+  DraftWeights w_;
+  std::vector<float> inv_freq_;
+};
+
+}  // namespace dflash

@@ -1,0 +1,33 @@
+// The one description of a forward call that the engine hands to a model:
+// which rows belong to which sequence, their positions, where their keys and
+// values go in the paged cache, which rows need logits. Built only through
+// add_sequence, so the derived arrays always agree with each other.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/backend.h"
+
+namespace dflash {
+
+struct ForwardBatch {
+  int page_size = 0;
+  std::vector<int32_t> token_ids;   // one per row (unused for draft context projection)
+  std::vector<int32_t> positions;   // one per row
+  std::vector<int32_t> kv_slots;    // physical cache slot per row
+  std::vector<AttentionSegment> segments;
+  std::vector<int32_t> logit_rows;  // rows whose logits are wanted, in output order
+
+  explicit ForwardBatch(int page_size_) : page_size(page_size_) {}
+
+  // Appends `tokens` of one sequence at positions n_past.. . `page_table` must
+  // cover n_past + tokens.size() positions and outlive the batch. causal=false
+  // lets every row see every key of the sequence (DFlash draft block).
+  // Returns the index of the sequence's first row.
+  int32_t add_sequence(const std::vector<int32_t>& tokens, int32_t n_past, const std::vector<int32_t>& page_table,
+                       bool causal = true);
+  int32_t n_rows() const { return static_cast<int32_t>(positions.size()); }
+};
+
+}  // namespace dflash

@@ -1,0 +1,57 @@
+#include "model/target_model.h"
+
+#include "formats/safetensors.h"
+#include "model/rope.h"
+#include "util/error.h"
+
+namespace dflash {
+
+TargetModel::TargetModel(Backend& be, const std::string& dir) : be_(be), dir_(dir), cfg_(load_model_config(dir)) {
+  const TensorStore store = TensorStore::open(dir);
+  const int64_t v = cfg_.n_vocab, h = cfg_.n_embd;
+  w_.embed = be.upload({&store.get("model.embed_tokens.weight", {v, h})});
+  for (int i = 0; i < cfg_.n_layers; ++i) w_.layers.push_back(load_layer(be, store, cfg_, "model.", i));
+  w_.final_norm = be.upload({&store.get("model.norm.weight", {h})});
+  w_.lm_head = cfg_.tie_embeddings ? w_.embed : be.upload({&store.get("lm_head.weight", {v, h})});
+  inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.head_dim);
+}
+
+KvCache TargetModel::alloc_cache(int n_pages, int page_size) {
+  return be_.alloc_kv(cfg_.n_layers, n_pages, page_size, cfg_.n_kv_heads, cfg_.head_dim);
+}
+
+Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t>& rows, const Tensor& lm_head) {
+  Tensor picked = be.alloc(static_cast<int64_t>(rows.size()), normed.cols);
+  be.gather_rows(normed, rows, picked);
+  Tensor logits = be.alloc(picked.rows, lm_head.rows);
+  if (picked.rows > 0) be.matmul(picked, lm_head, nullptr, logits);
+  return logits;
+}
+
+TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cache,
+                                         const std::vector<int>& capture_layers) {
+  for (int j : capture_layers) check(j >= 0 && j < cfg_.n_layers, "capture layer ", j, " is outside 0..", cfg_.n_layers - 1);
+  for (int32_t p : batch.positions) {
+    check(p < cfg_.max_positions, "position ", p, " exceeds the model's max_position_embeddings (", cfg_.max_positions, ")");
+  }
+  check(batch.page_size == cache.page_size, "forward batch page size differs from the cache's");
+  const int64_t n = batch.n_rows();
+  Output out;
+  Tensor x = be_.alloc(n, cfg_.n_embd);
+  be_.embed(w_.embed, batch.token_ids, x);
+  StackInputs in;
+  in.positions = &batch.positions;
+  in.kv_slots = &batch.kv_slots;
+  in.segments = &batch.segments;
+  in.cache = &cache;
+  if (!capture_layers.empty()) {
+    out.captured = be_.alloc(n, static_cast<int64_t>(capture_layers.size()) * cfg_.n_embd);
+    in.capture_layers = &capture_layers;
+    in.captured = &out.captured;
+  }
+  Tensor normed = run_decoder_layers(be_, cfg_, w_.layers, inv_freq_, w_.final_norm, x, in);
+  out.logits = lm_head_rows(be_, normed, batch.logit_rows, w_.lm_head);
+  return out;
+}
+
+}  // namespace dflash

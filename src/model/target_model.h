@@ -1,0 +1,52 @@
+// Qwen3 / Llama decoder-only target (one code path: Llama has no q/k norm and
+// may have biases and llama3 RoPE). Loads a Hugging Face directory as it is.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "formats/model_config.h"
+#include "kernels/backend.h"
+#include "model/decoder_layers.h"
+#include "model/forward_batch.h"
+
+namespace dflash {
+
+struct TargetWeights {
+  Tensor embed;       // [n_vocab, n_embd]  model.embed_tokens
+  std::vector<LayerWeights> layers;
+  Tensor final_norm;  // [1, n_embd]  model.norm
+  Tensor lm_head;     // [n_vocab, n_embd]  lm_head (shares embed's storage when tied)
+};
+
+class TargetModel {
+ public:
+  TargetModel(Backend& be, const std::string& dir);
+
+  struct Output {
+    Tensor logits;    // [batch.logit_rows.size(), n_vocab]
+    Tensor captured;  // [batch rows, capture_layers.size() * n_embd]; empty when none asked
+  };
+  // Runs the new rows of `batch` (their K/V are written to `cache`), returns the
+  // logits of batch.logit_rows and the outputs of decoder layers `capture_layers`
+  // (layer j's output = residual stream after layer j = HF hidden_states[j+1]).
+  Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
+
+  KvCache alloc_cache(int n_pages, int page_size);
+  const ModelConfig& config() const { return cfg_; }
+  const TargetWeights& weights() const { return w_; }
+  Backend& backend() const { return be_; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  Backend& be_;
+  std::string dir_;
+  ModelConfig cfg_;
+  TargetWeights w_;
+  std::vector<float> inv_freq_;
+};
+
+// Final step shared with the draft: logits of `rows` of the normed hidden states.
+Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t>& rows, const Tensor& lm_head);
+
+}  // namespace dflash

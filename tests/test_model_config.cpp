@@ -1,0 +1,160 @@
+// config.json / generation_config.json parsing, including every error path
+// that names a field, and the default DFlash target-layer rule.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "formats/model_config.h"
+#include "model/dflash_draft.h"
+#include "model/target_model.h"
+#include "util/error.h"
+#include "test_util.h"
+
+namespace dflash {
+namespace {
+
+using nlohmann::json;
+using test::fixture;
+
+json qwen3_8b_legacy() {  // the real Qwen3-8B config.json fields (transformers 4.x spelling)
+  return json::parse(R"({
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36,
+    "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true,
+    "use_sliding_window": false, "vocab_size": 151936})");
+}
+
+void expect_error(const json& j, const std::string& part, bool draft = false) {
+  try {
+    if (draft) parse_draft_config(j, "cfg.json");
+    else parse_model_config(j, "cfg.json");
+    FAIL() << "no error, expected one mentioning " << part;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cfg.json"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ModelConfig, Qwen3_8BLegacySpelling) {
+  const ModelConfig c = parse_model_config(qwen3_8b_legacy(), "cfg.json");
+  EXPECT_EQ(c.n_embd, 4096);
+  EXPECT_EQ(c.n_layers, 36);
+  EXPECT_EQ(c.n_heads, 32);
+  EXPECT_EQ(c.n_kv_heads, 8);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.n_ff, 12288);
+  EXPECT_EQ(c.n_vocab, 151936);
+  EXPECT_DOUBLE_EQ(c.rope.theta, 1e6);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_FALSE(c.tie_embeddings);
+}
+
+TEST(ModelConfig, Transformers5RopeParametersAndLlama3) {
+  const ModelConfig c = load_model_config(fixture("targets/llama_gqa4_bias_sharded"));
+  EXPECT_EQ(c.architecture, "LlamaForCausalLM");
+  EXPECT_FALSE(c.qk_norm);
+  EXPECT_TRUE(c.attention_bias);
+  EXPECT_EQ(c.rope.type, RopeType::Llama3);
+  EXPECT_DOUBLE_EQ(c.rope.theta, 500000.0);
+  EXPECT_DOUBLE_EQ(c.rope.factor, 8.0);
+  EXPECT_EQ(c.rope.original_max_positions, 64);
+  EXPECT_EQ(c.head_dim, 8);  // derived: hidden_size / num_attention_heads
+  const ModelConfig q = load_model_config(fixture("targets/qwen3_gqa_tied"));
+  EXPECT_TRUE(q.tie_embeddings);
+  EXPECT_DOUBLE_EQ(q.rope.theta, 10000.0);
+}
+
+TEST(ModelConfig, LegacyLlama3RopeScaling) {
+  json j = qwen3_8b_legacy();
+  j["architectures"] = {"LlamaForCausalLM"};
+  j["rope_scaling"] = {{"type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}};
+  const ModelConfig c = parse_model_config(j, "cfg.json");
+  EXPECT_EQ(c.rope.type, RopeType::Llama3);
+  EXPECT_DOUBLE_EQ(c.rope.theta, 1e6);
+}
+
+TEST(ModelConfig, ErrorsNameTheField) {
+  auto without = [](const char* k) { json j = qwen3_8b_legacy(); j.erase(k); return j; };
+  auto with = [](const char* k, json v) { json j = qwen3_8b_legacy(); j[k] = v; return j; };
+  expect_error(without("hidden_size"), "'hidden_size'");
+  expect_error(without("num_hidden_layers"), "'num_hidden_layers'");
+  expect_error(without("vocab_size"), "'vocab_size'");
+  expect_error(without("intermediate_size"), "'intermediate_size'");
+  expect_error(without("architectures"), "'architectures'");
+  expect_error(with("hidden_size", "4096"), "'hidden_size' must be an integer");
+  expect_error(with("hidden_size", 0), "'hidden_size' must be positive");
+  expect_error(with("hidden_size", 40.5), "'hidden_size' must be an integer");
+  expect_error(with("rms_norm_eps", "x"), "'rms_norm_eps' must be a number");
+  expect_error(with("tie_word_embeddings", 1), "'tie_word_embeddings' must be a boolean");
+  expect_error(with("num_key_value_heads", 7), "not a multiple");
+  expect_error(with("head_dim", 127), "even");
+  expect_error(with("architectures", {"GPT2LMHeadModel"}), "unsupported architecture 'GPT2LMHeadModel'");
+  expect_error(with("hidden_act", "gelu"), "unsupported hidden_act");
+  expect_error(with("rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}), "unsupported rope type 'yarn'");
+  expect_error(with("rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}}), "'low_freq_factor'");
+  expect_error(with("use_sliding_window", true), "use_sliding_window");
+  expect_error(json::array(), "expected a JSON object");
+}
+
+TEST(DraftConfig, DefaultTargetLayerIdsRoundHalfToEven) {
+  EXPECT_EQ(default_target_layer_ids(36, 5), (std::vector<int>{1, 9, 17, 25, 33}));
+  EXPECT_EQ(default_target_layer_ids(36, 1), (std::vector<int>{18}));
+  EXPECT_EQ(default_target_layer_ids(9, 3), (std::vector<int>{1, 4, 6}));  // 3.5 -> 4
+  EXPECT_EQ(default_target_layer_ids(7, 3), (std::vector<int>{1, 2, 4}));  // 2.5 -> 2
+  EXPECT_EQ(default_target_layer_ids(6, 2), (std::vector<int>{1, 3}));
+}
+
+TEST(DraftConfig, FixturesAndZLabShape) {
+  const DraftConfig d = load_draft_config(fixture("drafts/llama_l2_window"));
+  EXPECT_EQ(d.block_size, 8);
+  EXPECT_EQ(d.mask_token_id, 255);
+  EXPECT_EQ(d.target_layer_ids, (std::vector<int>{0, 2}));
+  EXPECT_EQ(d.layers.sliding_window, (std::vector<int>{5, 0}));
+  const DraftConfig t = load_draft_config(fixture("drafts/trained_qwen3_b16"));
+  EXPECT_EQ(t.target_layer_ids, (std::vector<int>{1, 3}));  // default rule, 6 target layers
+  json z = qwen3_8b_legacy();
+  z["architectures"] = {"DFlashDraftModel"};
+  z["num_hidden_layers"] = 5;
+  z["block_size"] = 16;
+  z["num_target_layers"] = 36;
+  z["dflash_config"] = {{"mask_token_id", 151669}};
+  const DraftConfig zd = parse_draft_config(z, "cfg.json");
+  EXPECT_EQ(zd.target_layer_ids, (std::vector<int>{1, 9, 17, 25, 33}));
+  EXPECT_EQ(zd.mask_token_id, 151669);
+  z.erase("dflash_config");
+  expect_error(z, "'dflash_config'", true);
+  z["dflash_config"] = {{"mask_token_id", 1}, {"target_layer_ids", {1, 40}}};
+  expect_error(z, "target layer id 40", true);
+  z["dflash_config"] = {{"target_layer_ids", {1}}};
+  expect_error(z, "'mask_token_id'", true);
+  z["dflash_config"] = {{"mask_token_id", 1}};
+  z.erase("block_size");
+  expect_error(z, "'block_size'", true);
+  expect_error(qwen3_8b_legacy(), "not a DFlash draft", true);
+}
+
+TEST(DraftConfig, DraftMustFitItsTarget) {
+  auto be = make_cpu_backend();
+  TargetModel target(*be, fixture("targets/qwen3_gqa_tied"));
+  try {
+    DraftModel d(*be, fixture("drafts/llama_l2_window"), target);
+    FAIL() << "a draft for another target was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_target_layers"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GenerationConfig, EosIntOrList) {
+  EXPECT_EQ(parse_generation_config(json{{"eos_token_id", 7}}, "g").eos_token_ids, (std::vector<int>{7}));
+  EXPECT_EQ(parse_generation_config(json{{"eos_token_id", {1, 2}}, {"bos_token_id", 3}}, "g").eos_token_ids,
+            (std::vector<int>{1, 2}));
+  EXPECT_THROW(parse_generation_config(json{{"eos_token_id", "x"}}, "g"), Error);
+  EXPECT_EQ(load_generation_config(fixture("targets/qwen3_gqa_tied")).eos_token_ids, (std::vector<int>{0}));
+}
+
+}  // namespace
+}  // namespace dflash

@@ -36,7 +36,10 @@ TEST(Cli, GenerateJsonPlainAndDFlash) {
   const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
   const auto prompt = meta["prompts"][0].get<std::vector<int>>();
   std::string ids;
-  for (size_t i = 0; i < prompt.size(); ++i) ids += (i ? "," : "") + std::to_string(prompt[i]);
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (i) ids += ',';
+    ids += std::to_string(prompt[i]);
+  }
   const std::string base = "generate --model " + fixture("targets/trained_qwen3") + " --prompt-ids " + ids +
                            " --max-tokens 40 --json";
   const auto plain = run_cli(base);

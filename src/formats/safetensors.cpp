@@ -136,8 +136,9 @@ TensorStore TensorStore::open(const std::string& path) {
     store.files_.push_back(f);
     for (const auto& t : f->tensors()) {
       auto [it, inserted] = store.index_.emplace(t.name, store.tensors_.size());
-      check(inserted, path, ": tensor '", t.name, "' appears in both ", store.tensors_[it->second].file,
-            " and ", file);
+      if (!inserted) {
+        throw Error(cat(path, ": tensor '", t.name, "' appears in both ", store.tensors_[it->second].file, " and ", file));
+      }
       store.tensors_.push_back(t);
     }
   };

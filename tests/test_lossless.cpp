@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <filesystem>
 
 #include "engine/engine.h"
 #include "test_util.h"
@@ -86,6 +87,38 @@ TEST(LosslessTest, TrainedPairAcceptanceLengthsMatchReference) {
   }
   std::printf("trained pair: %d of %zu prompts have exactly the reference acceptance histogram\n", same, prompts.size());
   EXPECT_GE(same, static_cast<int>(prompts.size()) - 2);
+}
+
+}  // namespace
+}  // namespace dflash
+
+namespace dflash {
+namespace {
+
+// Near the end of the context the DFlash block shrinks; output still equals
+// plain decoding and both stop for the same reason at the same token.
+TEST(LosslessTest, ContextLimitShrinksTheBlock) {
+  test::TempDir dir;
+  const std::string src = fixture("targets/trained_qwen3");
+  std::filesystem::copy_file(src + "/model.safetensors", dir.file("model.safetensors"));
+  auto cfg = test::read_json(src + "/config.json");
+  cfg["max_position_embeddings"] = 37;
+  test::write_file(dir.file("config.json"), cfg.dump());
+  EngineOptions eo;
+  eo.model_dir = dir.path();
+  eo.draft_dir = fixture("drafts/trained_qwen3_b16");
+  Engine engine(eo);
+  const auto prompts = test::read_json(fixture("expected/trained_qwen3.json"))["prompts"]
+                           .get<std::vector<std::vector<int32_t>>>();
+  for (const auto& prompt : prompts) {
+    if (prompt.size() >= 37) continue;
+    const auto plain = run(engine, prompt, 100, {}, SpeculativeMode::None);
+    const auto spec = run(engine, prompt, 100, {}, SpeculativeMode::DFlash);
+    EXPECT_EQ(plain.stop_reason, "context");
+    EXPECT_EQ(spec.stop_reason, "context");
+    EXPECT_EQ(plain.tokens.size(), 37 - prompt.size() + 1);
+    EXPECT_EQ(spec.tokens, plain.tokens);
+  }
 }
 
 }  // namespace

@@ -32,11 +32,9 @@ void print_layers(const ModelConfig& c) {
                 c.rope.high_freq_factor, static_cast<long long>(c.rope.original_max_positions));
   }
   std::printf("\nmax positions:      %d\n", c.max_positions);
-  std::vector<int> windows;
-  for (int w : c.sliding_window) windows.push_back(w);
   bool any_window = false;
-  for (int w : windows) any_window |= w > 0;
-  if (any_window) std::printf("sliding windows:    %s\n", join(windows).c_str());
+  for (int w : c.sliding_window) any_window |= w > 0;
+  if (any_window) std::printf("sliding windows:    %s\n", join(c.sliding_window).c_str());
 }
 
 }  // namespace

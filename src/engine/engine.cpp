@@ -17,6 +17,7 @@ struct Engine::Impl {
   std::unique_ptr<TargetModel> target;
   std::unique_ptr<DraftModel> draft;
   EngineOptions opts;
+  std::string backend_name;
   std::vector<int32_t> eos_ids;
   int block_size = 0;
 };
@@ -31,6 +32,7 @@ Engine::Engine(const EngineOptions& opts) : impl_(std::make_unique<Impl>()) {
   check(opts.page_size > 0 && opts.page_size <= 4096, "page size must be in 1..4096, got ", opts.page_size);
   impl_->opts = opts;
   impl_->be = make_backend(opts.device);
+  impl_->backend_name = impl_->be->name();
   impl_->target = std::make_unique<TargetModel>(*impl_->be, opts.model_dir);
   const GenerationConfig gen = load_generation_config(opts.model_dir);
   impl_->eos_ids = gen.eos_token_ids;
@@ -56,10 +58,7 @@ bool Engine::has_draft() const { return impl_->draft != nullptr; }
 const DraftConfig* Engine::draft_config() const { return impl_->draft ? &impl_->draft->config() : nullptr; }
 int Engine::block_size() const { return impl_->block_size; }
 const std::vector<int32_t>& Engine::default_eos_ids() const { return impl_->eos_ids; }
-const std::string& Engine::backend_name() const {
-  static const std::string cpu = "cpu";
-  return cpu;
-}
+const std::string& Engine::backend_name() const { return impl_->backend_name; }
 
 GenerationResult Engine::generate(const std::vector<int32_t>& prompt, const GenerateOptions& opts) {
   const ModelConfig& cfg = impl_->target->config();

@@ -242,14 +242,19 @@ GenerationConfig parse_generation_config(const json& j, const std::string& where
   return g;
 }
 
-json load_config_json(const std::string& dir) {
-  const std::string path = dir + "/config.json";
-  check(file_exists(path), dir, ": no config.json (is this a Hugging Face model directory?)");
+// Parses a JSON file; an error names the file.
+static json parse_json_file(const std::string& path) {
   try {
     return json::parse(read_text_file(path));
   } catch (const json::exception& e) {
     throw Error(cat(path, ": invalid JSON: ", e.what()));
   }
+}
+
+json load_config_json(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  check(file_exists(path), dir, ": no config.json (is this a Hugging Face model directory?)");
+  return parse_json_file(path);
 }
 
 ModelConfig load_model_config(const std::string& dir) {
@@ -263,13 +268,7 @@ DraftConfig load_draft_config(const std::string& dir) {
 GenerationConfig load_generation_config(const std::string& dir) {
   const std::string path = dir + "/generation_config.json";
   if (!file_exists(path)) return {};
-  json j;
-  try {
-    j = json::parse(read_text_file(path));
-  } catch (const json::exception& e) {
-    throw Error(cat(path, ": invalid JSON: ", e.what()));
-  }
-  return parse_generation_config(j, path);
+  return parse_generation_config(parse_json_file(path), path);
 }
 
 }  // namespace dflash

@@ -43,6 +43,8 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   Tensor delta = be.alloc(n, c.n_embd);
   Tensor gate_up = be.alloc(n, 2 * int64_t{c.n_ff});
   Tensor act = be.alloc(n, c.n_ff);
+  std::vector<int32_t> all_rows(static_cast<size_t>(n));  // for layer-output capture
+  for (int64_t r = 0; r < n; ++r) all_rows[r] = static_cast<int32_t>(r);
   be.rms_norm(x, layers[0].attn_norm, c.rms_norm_eps, h);
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
@@ -64,9 +66,7 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
       for (size_t k_idx = 0; k_idx < in.capture_layers->size(); ++k_idx) {
         if ((*in.capture_layers)[k_idx] != static_cast<int>(l)) continue;
         Tensor dst = in.captured->slice_cols(static_cast<int64_t>(k_idx) * c.n_embd, c.n_embd);
-        std::vector<int32_t> rows(static_cast<size_t>(n));
-        for (int64_t r = 0; r < n; ++r) rows[r] = static_cast<int32_t>(r);
-        be.gather_rows(x, rows, dst);
+        be.gather_rows(x, all_rows, dst);
       }
     }
   }

@@ -12,5 +12,7 @@ using Command = std::function<int()>;
 
 Command add_generate(CLI::App& app);
 Command add_inspect(CLI::App& app);
+Command add_tokenize(CLI::App& app);
+Command add_chat_template(CLI::App& app);
 
 }  // namespace dflash::cli

@@ -17,7 +17,7 @@ namespace {
 
 struct ChatTemplateArgs {
   std::string tokenizer;
-  bool jsonl = false;
+  bool jsonl = false, keep_going = false;
 };
 
 int run_chat_template(const ChatTemplateArgs& a) {
@@ -33,7 +33,9 @@ int run_chat_template(const ChatTemplateArgs& a) {
     try {
       text = tmpl.render(req);
     } catch (const Error& e) {
-      throw Error(cat("stdin line ", n, ": ", e.what()));
+      if (!a.keep_going) throw Error(cat("stdin line ", n, ": ", e.what()));
+      std::printf("%s\n", nlohmann::json{{"error", e.what()}}.dump().c_str());
+      continue;
     }
     std::printf("%s\n", nlohmann::json(text).dump().c_str());
     std::fflush(stdout);
@@ -50,6 +52,7 @@ Command add_chat_template(CLI::App& app) {
   app.add_flag("--jsonl", a->jsonl,
                "read one request per stdin line ({\"messages\", \"tools\"?, \"add_generation_prompt\", ...}), "
                "print the rendered prompt as a JSON string per line");
+  app.add_flag("--keep-going", a->keep_going, "print {\"error\": ...} for a request that fails and go on");
   return [a] { return run_chat_template(*a); };
 }
 

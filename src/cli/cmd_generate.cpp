@@ -7,6 +7,8 @@
 
 #include "cli/commands.h"
 #include "engine/engine.h"
+#include "formats/chat_template.h"
+#include "tokenizer/tokenizer.h"
 #include "util/error.h"
 
 namespace dflash::cli {
@@ -14,9 +16,16 @@ namespace dflash::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string model, draft, speculative, prompt_ids, device = "cpu";
+  std::string model, draft, speculative, prompt_ids, prompt, chat, device = "cpu";
   int max_tokens = 128, block_size = 0, page_size = 16;
-  bool json = false;
+  bool json = false, enable_thinking = false;
+};
+
+// The prompt as ids, plus the tokenizer when the prompt was text.
+struct Prompt {
+  std::vector<int32_t> ids;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::vector<int32_t> extra_eos;  // the chat template's end-of-turn token
 };
 
 // "1, 2,3" -> {1, 2, 3}; every item must be a whole non-negative integer.
@@ -39,17 +48,37 @@ std::vector<int32_t> parse_ids(const std::string& s) {
   return ids;
 }
 
-// The prompt as token ids. Text prompts (--prompt) will resolve here too once
-// a tokenizer is loaded with the model.
-std::vector<int32_t> resolve_prompt(const GenerateArgs& a) {
-  check(!a.prompt_ids.empty(), "no prompt given (use --prompt-ids \"1,2,3\")");
-  return parse_ids(a.prompt_ids);
+Prompt resolve_prompt(const GenerateArgs& a) {
+  const int given = !a.prompt_ids.empty() + !a.prompt.empty() + !a.chat.empty();
+  check(given == 1, given ? "give only one of --prompt, --chat and --prompt-ids"
+                          : "no prompt given (use --prompt TEXT, --chat TEXT or --prompt-ids \"1,2,3\")");
+  Prompt p;
+  if (!a.prompt_ids.empty()) {
+    p.ids = parse_ids(a.prompt_ids);
+    return p;
+  }
+  p.tokenizer = std::make_unique<Tokenizer>(a.model);
+  std::string text = a.prompt;
+  if (!a.chat.empty()) {
+    const ChatTemplate tmpl(a.model);
+    nlohmann::ordered_json req = {{"messages", {{{"role", "user"}, {"content", a.chat}}}},
+                                  {"add_generation_prompt", true},
+                                  {"enable_thinking", a.enable_thinking}};
+    text = tmpl.render(req);
+    if (tmpl.eos_token()) {
+      if (auto id = p.tokenizer->token_to_id(*tmpl.eos_token())) p.extra_eos.push_back(*id);
+    }
+  }
+  p.ids = p.tokenizer->encode(text);
+  check(!p.ids.empty(), "the prompt is empty after tokenization");
+  return p;
 }
 
-void print_json(const GenerationResult& r) {
+void print_json(const GenerationResult& r, const Tokenizer* tok) {
   const auto& st = r.stats;
   nlohmann::json j;
   j["tokens"] = r.tokens;
+  if (tok) j["text"] = tok->decode(r.tokens);
   j["n_steps"] = st.n_steps;
   j["tau"] = st.tau;
   j["acceptance_histogram"] = st.acceptance_histogram;
@@ -61,11 +90,15 @@ void print_json(const GenerationResult& r) {
   std::printf("%s\n", j.dump().c_str());
 }
 
-void print_text(const GenerationResult& r) {
+void print_text(const GenerationResult& r, const Tokenizer* tok) {
   const auto& st = r.stats;
-  std::string ids;
-  for (size_t i = 0; i < r.tokens.size(); ++i) ids += (i ? "," : "") + std::to_string(r.tokens[i]);
-  std::printf("%s\n", ids.c_str());
+  if (tok) {
+    std::printf("%s\n", tok->decode(r.tokens).c_str());
+  } else {
+    std::string ids;
+    for (size_t i = 0; i < r.tokens.size(); ++i) ids += (i ? "," : "") + std::to_string(r.tokens[i]);
+    std::printf("%s\n", ids.c_str());
+  }
   const double tok_s = st.decode_ms > 0 ? 1000.0 * (st.n_generated - 1) / st.decode_ms : 0.0;
   std::fprintf(stderr,
                "[%d prompt + %d generated tokens, stop: %s] steps %d, tau %.2f, prefill %.1f ms, decode %.1f ms "
@@ -82,6 +115,9 @@ Command add_generate(CLI::App& app) {
   app.add_option("--draft", a->draft, "DFlash draft directory; enables DFlash decoding by default");
   app.add_option("--speculative", a->speculative, "none | dflash (default: dflash when --draft is given)")
       ->check(CLI::IsMember({"none", "dflash"}));
+  app.add_option("--prompt", a->prompt, "prompt text, tokenized with the model directory's tokenizer.json");
+  app.add_option("--chat", a->chat, "a user message, rendered with the model's chat template, then tokenized");
+  app.add_flag("--enable-thinking", a->enable_thinking, "with --chat: let the model think (enable_thinking=true)");
   app.add_option("--prompt-ids", a->prompt_ids, "prompt as comma-separated token ids");
   app.add_option("--max-tokens", a->max_tokens, "maximum number of generated tokens")->check(CLI::Range(1, 1 << 24));
   app.add_option("--block-size", a->block_size, "DFlash block size (default: the draft's)")->check(CLI::Range(2, 256));
@@ -91,7 +127,7 @@ Command add_generate(CLI::App& app) {
   return [a] {
     const bool spec = a->speculative.empty() ? !a->draft.empty() : a->speculative == "dflash";
     check(!spec || !a->draft.empty(), "--speculative dflash needs --draft DIR");
-    const std::vector<int32_t> prompt = resolve_prompt(*a);
+    const Prompt prompt = resolve_prompt(*a);
     EngineOptions eo;
     eo.model_dir = a->model;
     eo.draft_dir = spec ? a->draft : "";
@@ -102,9 +138,17 @@ Command add_generate(CLI::App& app) {
     GenerateOptions go;
     go.max_tokens = a->max_tokens;
     go.mode = spec ? SpeculativeMode::DFlash : SpeculativeMode::None;
-    const GenerationResult r = engine.generate(prompt, go);
-    if (a->json) print_json(r);
-    else print_text(r);
+    if (!prompt.extra_eos.empty()) {
+      go.eos_ids = engine.default_eos_ids();
+      go.eos_ids.insert(go.eos_ids.end(), prompt.extra_eos.begin(), prompt.extra_eos.end());
+    }
+    for (int32_t id : prompt.ids) {
+      check(prompt.tokenizer == nullptr || id < engine.target_config().n_vocab, "the tokenizer gives id ", id,
+            " but the model's vocabulary has ", engine.target_config().n_vocab, " entries");
+    }
+    const GenerationResult r = engine.generate(prompt.ids, go);
+    if (a->json) print_json(r, prompt.tokenizer.get());
+    else print_text(r, prompt.tokenizer.get());
     return 0;
   };
 }

@@ -1,10 +1,12 @@
 #include "tokenizer/normalizer.h"
 
 #include <cstdlib>
+#include <iterator>
 #include <vector>
 
 #include <utf8proc.h>
 
+#include "tokenizer/utf8.h"
 #include "util/error.h"
 
 namespace dflash {
@@ -18,20 +20,63 @@ bool is_ascii(const std::string& s) {
   return true;
 }
 
+struct Range {
+  char32_t lo, hi;
+};
+constexpr Range kUnicode9[] = {
+#include "tokenizer/unicode9_assigned.inc"
+};
+
+// HF `tokenizers` normalizes with Unicode 9.0 data: a character assigned
+// later has no decomposition and combining class 0 there, so it is a starter
+// that never composes. Splitting the text at such characters and normalizing
+// the pieces with current data gives the same result.
+bool assigned_in_unicode9(char32_t c) {
+  size_t lo = 0, hi = std::size(kUnicode9);
+  while (lo < hi) {
+    const size_t mid = (lo + hi) / 2;
+    if (kUnicode9[mid].hi < c) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < std::size(kUnicode9) && kUnicode9[lo].lo <= c;
+}
+
 class UnicodeForm : public Normalizer {
  public:
   UnicodeForm(std::string name, int options) : name_(std::move(name)), options_(options) {}
   std::string normalize(std::string text) const override {
     if (is_ascii(text)) return text;  // every form leaves ASCII unchanged
-    utf8proc_uint8_t* out = nullptr;
-    const auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                static_cast<utf8proc_ssize_t>(text.size()), &out,
-                                static_cast<utf8proc_option_t>(options_));
-    check(n >= 0, "normalizer ", name_, ": ", utf8proc_errmsg(n));
-    std::string r(reinterpret_cast<char*>(out), static_cast<size_t>(n));
-    std::free(out);
-    return r;
+    std::string out;
+    size_t seg = 0, i = 0;
+    while (i < text.size()) {
+      const size_t at = i;
+      const char32_t c = utf8::next(text, i);
+      if (c < 0x300 || assigned_in_unicode9(c)) continue;
+      map(std::string_view(text).substr(seg, at - seg), out);
+      out.append(text, at, i - at);
+      seg = i;
+    }
+    if (seg == 0) {
+      std::string r;
+      map(text, r);
+      return r;
+    }
+    map(std::string_view(text).substr(seg), out);
+    return out;
   }
+
+ private:
+  void map(std::string_view s, std::string& out) const {
+    if (s.empty()) return;
+    utf8proc_uint8_t* buf = nullptr;
+    const auto n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
+                                static_cast<utf8proc_ssize_t>(s.size()), &buf, static_cast<utf8proc_option_t>(options_));
+    check(n >= 0, "normalizer ", name_, ": ", utf8proc_errmsg(n));
+    out.append(reinterpret_cast<char*>(buf), static_cast<size_t>(n));
+    std::free(buf);
+  }
+
+ public:
 
  private:
   std::string name_;

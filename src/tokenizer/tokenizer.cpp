@@ -124,14 +124,16 @@ void Tokenizer::load(std::string_view text, const std::string& source) {
     const auto in_vocab = model_->vocab().find(a.content);
     check(in_vocab == model_->vocab().end() || in_vocab->second == a.id, source, ": added token \"", a.content,
           "\" has id ", a.id, " but the vocab gives it ", in_vocab == model_->vocab().end() ? 0 : in_vocab->second);
-    token_bytes_[a.id] = bytes_of_token(a.content);
     special_[a.id] = a.special;
     present[a.id] = true;
     added_by_content_.emplace(a.content, a.id);
     if (a.normalized) {
+      // HF matches and decodes a normalized added token as its normalized text.
       norm.push_back(&a);
       norm_text.push_back(normalizer_ ? normalizer_->normalize(a.content) : a.content);
+      token_bytes_[a.id] = bytes_of_token(norm_text.back());
     } else {
+      token_bytes_[a.id] = bytes_of_token(a.content);
       raw.push_back(&a);
       raw_text.push_back(a.content);
     }

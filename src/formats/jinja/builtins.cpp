@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <set>
 
 #include <utf8proc.h>
@@ -283,7 +285,7 @@ Value dict_method(const Value& d, const std::string& name) {
     return bound(name, [d, name](CallArgs&) {
       List out;
       for (const auto& [k, v] : d.dict().items) {
-        if (name == "items") out.push_back(Value(List{k, v}));
+        if (name == "items") out.push_back(Value(List{k, v}, true));
         else out.push_back(name == "keys" ? k : v);
       }
       return Value(std::move(out));
@@ -559,7 +561,7 @@ Value apply_filter(Interpreter& it, const std::string& name, const Value& in, Ca
     if (in.is_undefined()) return Value(List{});
     check(in.is_dict(), "can only get item pairs from a mapping");
     List out;
-    for (const auto& [k, v] : in.dict().items) out.push_back(Value(List{k, v}));
+    for (const auto& [k, v] : in.dict().items) out.push_back(Value(List{k, v}, true));
     return Value(std::move(out));
   }
   if (name == "dictsort") {
@@ -568,7 +570,7 @@ Value apply_filter(Interpreter& it, const std::string& name, const Value& in, Ca
     const std::string by = a.get(1, "by", Value("key")).str();
     const bool rev = a.get(2, "reverse", Value(false)).truthy();
     List out;
-    for (const auto& [k, v] : in.dict().items) out.push_back(Value(List{k, v}));
+    for (const auto& [k, v] : in.dict().items) out.push_back(Value(List{k, v}, true));
     std::stable_sort(out.begin(), out.end(), [&](const Value& x, const Value& y) {
       const size_t i = by == "value" ? 1 : 0;
       const Value kx = sort_key(x.list()[i], cs, Value()), ky = sort_key(y.list()[i], cs, Value());
@@ -709,13 +711,21 @@ Value apply_filter(Interpreter& it, const std::string& name, const Value& in, Ca
     check(in.is_number(), "round needs a number");
     const int64_t prec = need_int(a.get(0, "precision", Value(int64_t{0})), "precision");
     const std::string method = a.get(1, "method", Value("common")).str();
+    const double x = in.as_float();
+    if (method == "common") {
+      // Python's round(): the correctly rounded decimal, ties to even; printf does exactly that.
+      if (prec >= 0 && std::isfinite(x)) {
+        char buf[400];
+        std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(std::min<int64_t>(prec, 300)), x);
+        return Value(std::strtod(buf, nullptr));
+      }
+      const double m = std::pow(10.0, static_cast<double>(std::clamp<int64_t>(-prec, 0, 300)));
+      return Value(std::nearbyint(x / m) * m);
+    }
     const double m = std::pow(10.0, static_cast<double>(std::clamp<int64_t>(prec, -300, 300)));
-    double x = in.as_float() * m;
-    if (method == "common") x = std::round(x);
-    else if (method == "ceil") x = std::ceil(x);
-    else if (method == "floor") x = std::floor(x);
-    else throw Error("method must be common, ceil or floor");
-    return Value(x / m);
+    if (method == "ceil") return Value(std::ceil(x * m) / m);
+    if (method == "floor") return Value(std::floor(x * m) / m);
+    throw Error("method must be common, ceil or floor");
   }
   if (name == "indent") {
     return Value(indent_text(in.str(), a.get(0, "width", Value(int64_t{4})), a.get(1, "first", Value(false)).truthy(),

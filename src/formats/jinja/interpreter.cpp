@@ -174,6 +174,7 @@ Interpreter::Flow Interpreter::exec_for(const Stmt& s, const std::shared_ptr<Sco
   const int64_t depth = outer_loop && outer_loop->is_dict() && outer_loop->dict().find(Value("depth"))
                             ? outer_loop->dict().find(Value("depth"))->as_int() + 1
                             : 1;
+  bool run_else = true;
   for (int64_t i = 0; i < n; ++i) {
     step();
     auto sc = std::make_shared<Scope>();
@@ -198,7 +199,11 @@ Interpreter::Flow Interpreter::exec_for(const Stmt& s, const std::shared_ptr<Sco
     sc->vars["loop"] = Value(loop);
     const Flow f = exec(s.body, sc, out);
     if (f == Flow::Break) break;
+    if (f == Flow::Normal) run_else = false;
   }
+  // jinja2 clears its "else" flag at the end of each completed iteration, so
+  // a loop whose last iteration ended in break or continue also runs "else".
+  if (run_else) return exec(s.else_body, scope, out);
   return Flow::Normal;
 }
 
@@ -379,7 +384,7 @@ Value Interpreter::eval(const Expr& e, const std::shared_ptr<Scope>& scope) {
     case Expr::Kind::Tuple: {
       List l;
       for (const auto& a : e.args) l.push_back(eval(*a, scope));
-      return Value(std::move(l));
+      return Value(std::move(l), e.kind == Expr::Kind::Tuple);
     }
     case Expr::Kind::Dict: {
       auto d = std::make_shared<Dict>();

@@ -171,8 +171,9 @@ class Lexer {
   bool tag_body(bool var) {
     out_.push_back({var ? Token::Type::VarBegin : Token::Type::BlockBegin, "", line_});
     const size_t first = out_.size();
-    int depth = 0;
+    std::string brackets;  // open brackets, innermost last
     while (true) {
+      const size_t depth = brackets.size();
       while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) line_ += s_[pos_++] == '\n';
       check(pos_ < s_.size(), "template line ", line_, ": tag is not closed");
       const char c = s_[pos_];
@@ -209,10 +210,11 @@ class Lexer {
         static const std::string single = "+-*/%~[](){}<>=.:|,;";
         check(op.size() == 2 || single.find(c) != std::string::npos, "template line ", line_, ": unexpected character '",
               std::string(1, c), "'");
-        if (op == "(" || op == "[" || op == "{") ++depth;
+        if (op == "(" || op == "[" || op == "{") brackets += op;
         if (op == ")" || op == "]" || op == "}") {
-          check(depth > 0, "template line ", line_, ": unbalanced '", op, "'");
-          --depth;
+          const char open = op == ")" ? '(' : op == "]" ? '[' : '{';
+          check(!brackets.empty() && brackets.back() == open, "template line ", line_, ": unexpected '", op, "'");
+          brackets.pop_back();
         }
         out_.push_back({Token::Type::Op, op, line_});
         pos_ += op.size();

@@ -181,8 +181,12 @@ class Parser {
       expect_block_end();
     } else if (kw == "filter") {
       s->kind = Stmt::Kind::FilterBlock;
-      auto base = make(Expr::Kind::Literal, line);
-      s->filter = filter_tail(std::move(base));
+      s->filter = make(Expr::Kind::Filter, line);
+      s->filter->name = expect_name();
+      check(has_filter(s->filter->name), err("no filter named '", s->filter->name, "'"));
+      s->filter->args.push_back(make(Expr::Kind::Literal, line));
+      if (at_op("(")) call_args(*s->filter);
+      check(!at_op("|"), err("chained filters in {% filter %} are not supported"));
       expect_block_end();
       s->body = body({"endfilter"}, end);
       expect_block_end();

@@ -25,7 +25,8 @@ Value::Value(bool b) : kind_(Kind::Bool), b_(b) {}
 Value::Value(int64_t i) : kind_(Kind::Int), i_(i) {}
 Value::Value(double f) : kind_(Kind::Float), f_(f) {}
 Value::Value(std::string s) : kind_(Kind::String), s_(std::make_shared<const std::string>(std::move(s))) {}
-Value::Value(List l) : kind_(Kind::List), l_(std::make_shared<const List>(std::move(l))) {}
+Value::Value(List l, bool tuple)
+    : kind_(Kind::List), tuple_(tuple), l_(std::make_shared<const List>(std::move(l))) {}
 Value::Value(std::shared_ptr<Dict> d, bool is_namespace)
     : kind_(is_namespace ? Kind::Namespace : Kind::Dict), d_(std::move(d)) {}
 Value Value::function(std::string name, Function f) {
@@ -165,9 +166,10 @@ std::string Value::str() const {
     case Kind::Float: return float_repr(f_);
     case Kind::String: return *s_;
     case Kind::List: {
-      std::string out = "[";
+      std::string out = tuple_ ? "(" : "[";
       for (size_t i = 0; i < l_->size(); ++i) out += (i ? ", " : "") + (*l_)[i].repr();
-      return out + "]";
+      if (tuple_ && l_->size() == 1) out += ",";
+      return out + (tuple_ ? ")" : "]");
     }
     case Kind::Dict:
     case Kind::Namespace: {
@@ -253,7 +255,7 @@ bool equals(const Value& a, const Value& b) {
     case K::None: return true;
     case K::String: return a.str_ref() == b.str_ref();
     case K::List: {
-      if (a.list().size() != b.list().size()) return false;
+      if (a.is_tuple() != b.is_tuple() || a.list().size() != b.list().size()) return false;
       for (size_t i = 0; i < a.list().size(); ++i) {
         if (!equals(a.list()[i], b.list()[i])) return false;
       }

@@ -32,7 +32,7 @@ class Value {
   Value(double f);
   Value(std::string s);
   Value(const char* s) : Value(std::string(s)) {}
-  Value(List l);
+  Value(List l, bool tuple = false);
   Value(std::shared_ptr<Dict> d, bool is_namespace = false);
   static Value function(std::string name, Function f);
 
@@ -44,6 +44,7 @@ class Value {
   bool is_list() const { return kind_ == Kind::List; }
   bool is_dict() const { return kind_ == Kind::Dict || kind_ == Kind::Namespace; }
   bool is_callable() const { return kind_ == Kind::Function; }
+  bool is_tuple() const { return kind_ == Kind::List && tuple_; }
 
   bool as_bool() const { return b_; }
   int64_t as_int() const { return kind_ == Kind::Bool ? b_ : i_; }
@@ -65,6 +66,7 @@ class Value {
  private:
   Kind kind_ = Kind::Undefined;
   bool b_ = false;
+  bool tuple_ = false;  // a List that Python would hold as a tuple
   int64_t i_ = 0;
   double f_ = 0;
   std::shared_ptr<const std::string> s_;

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(build-essential cmake pkg-config libgtest-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libutf8proc-dev)
+packages=(build-essential cmake pkg-config libgtest-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libutf8proc-dev
+          python3 python3-jinja2)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -5,10 +5,12 @@
 
 #include <array>
 #include <cstdio>
+#include <filesystem>
 
 #include <nlohmann/json.hpp>
 
 #include "test_util.h"
+#include "tokenizer/tokenizer.h"
 
 namespace dflash {
 namespace {
@@ -30,6 +32,113 @@ RunResult run_cli(const std::string& args) {
   while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
   const int st = pclose(p);
   return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out, read_text_file(dir.file("err"))};
+}
+
+// Runs with `input` on stdin.
+RunResult run_cli_input(const std::string& args, const std::string& input) {
+  test::TempDir dir;
+  test::write_file(dir.file("in"), input);
+  const std::string cmd = std::string(DFLASH_BINARY) + " " + args + " 2>" + dir.file("err") + " <" + dir.file("in");
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out, read_text_file(dir.file("err"))};
+}
+
+std::string qwen3_tokenizer() { return std::string(DFLASH_GENERATED_FIXTURES) + "/qwen3"; }
+
+TEST(Cli, TokenizeTextAndJsonl) {
+  const auto one = run_cli("tokenize --tokenizer " + qwen3_tokenizer() + " --text 'Hello world!'");
+  ASSERT_EQ(one.status, 0) << one.err;
+  EXPECT_EQ(one.out, "[9707,1879,0]\n");
+  const auto many = run_cli_input("tokenize --tokenizer " + qwen3_tokenizer() + " --jsonl",
+                                  "\"Hello world!\"\n\"<|im_start|>user\\n\"\n\"\"\n");
+  ASSERT_EQ(many.status, 0) << many.err;
+  EXPECT_EQ(many.out, "[9707,1879,0]\n[151644,872,198]\n[]\n");
+  const auto bad = run_cli_input("tokenize --tokenizer " + qwen3_tokenizer() + " --jsonl", "\"ok\"\n{\"not\": 1}\n");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_EQ(bad.out, "[562]\n");
+  EXPECT_NE(bad.err.find("stdin line 2: expected a JSON string"), std::string::npos) << bad.err;
+  const auto invalid = run_cli_input("tokenize --tokenizer " + qwen3_tokenizer() + " --jsonl", "\"\\udc00\"\n");
+  EXPECT_EQ(invalid.status, 1);
+  const auto none = run_cli("tokenize --tokenizer /nonexistent --text x");
+  EXPECT_EQ(none.status, 1);
+  EXPECT_NE(none.err.find("not found"), std::string::npos) << none.err;
+}
+
+TEST(Cli, ChatTemplateJsonl) {
+  const auto r = run_cli_input(
+      "chat-template --tokenizer " + qwen3_tokenizer() + " --jsonl",
+      R"({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": true, "enable_thinking": false})"
+      "\n");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out).get<std::string>(),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  const auto bad = run_cli_input("chat-template --tokenizer " + qwen3_tokenizer() + " --jsonl", "{\"messages\": 3}\n");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.err.find("stdin line 1"), std::string::npos) << bad.err;
+}
+
+// The trained fixture target (vocabulary 256) with a byte-level tokenizer whose
+// id for byte b is b, and a ChatML template.
+void make_text_model(const test::TempDir& dir) {
+  for (const char* f : {"config.json", "model.safetensors", "generation_config.json"}) {
+    const std::string src = fixture(std::string("targets/trained_qwen3/") + f);
+    if (std::filesystem::exists(src)) std::filesystem::copy_file(src, dir.file(f));
+  }
+  nlohmann::json vocab = nlohmann::json::object();
+  int extra = 0;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    const char32_t c = printable ? b : 256 + extra++;
+    std::string u;
+    if (c < 0x80) u += static_cast<char>(c);
+    else u += static_cast<char>(0xC0 | (c >> 6)), u += static_cast<char>(0x80 | (c & 0x3F));
+    vocab[u] = b;
+  }
+  const nlohmann::json tok = {{"normalizer", nullptr},
+                              {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}},
+                              {"decoder", {{"type", "ByteLevel"}}},
+                              {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+  test::write_file(dir.file("tokenizer.json"), tok.dump());
+  const nlohmann::json cfg = {
+      {"chat_template",
+       "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|a|>{% endif %}"},
+      {"eos_token", "|"}};
+  test::write_file(dir.file("tokenizer_config.json"), cfg.dump());
+}
+
+TEST(Cli, GenerateFromTextAndChat) {
+  test::TempDir model;
+  make_text_model(model);
+  const std::string base = "generate --model " + model.path() + " --max-tokens 12 --json ";
+  const auto text = run_cli(base + "--prompt 'abc'");
+  ASSERT_EQ(text.status, 0) << text.err;
+  const auto ids = run_cli(base + "--prompt-ids 97,98,99");
+  ASSERT_EQ(ids.status, 0) << ids.err;
+  const auto jt = nlohmann::json::parse(text.out), ji = nlohmann::json::parse(ids.out);
+  EXPECT_EQ(jt["tokens"], ji["tokens"]);
+  EXPECT_EQ(jt["n_prompt_tokens"], 3);
+  ASSERT_TRUE(jt.contains("text"));
+  EXPECT_FALSE(ji.contains("text"));
+  const Tokenizer tok(model.path());
+  EXPECT_EQ(jt["text"], tok.decode(jt["tokens"].get<std::vector<int32_t>>()));
+  // --chat renders the template: "<|user|>abc<|a|>" is 16 bytes; '|' (124) ends the turn.
+  const auto chat = run_cli(base + "--chat 'abc'");
+  ASSERT_EQ(chat.status, 0) << chat.err;
+  const auto jc = nlohmann::json::parse(chat.out);
+  EXPECT_EQ(jc["n_prompt_tokens"], 16);
+  const auto toks = jc["tokens"].get<std::vector<int>>();
+  for (size_t i = 0; i + 1 < toks.size(); ++i) EXPECT_NE(toks[i], 124);
+  const auto both = run_cli(base + "--prompt a --prompt-ids 1");
+  EXPECT_EQ(both.status, 1);
+  EXPECT_NE(both.err.find("only one of"), std::string::npos) << both.err;
+  const auto no_tok = run_cli("generate --model " + fixture("targets/trained_qwen3") + " --prompt x");
+  EXPECT_EQ(no_tok.status, 1);
+  EXPECT_NE(no_tok.err.find("tokenizer"), std::string::npos) << no_tok.err;
 }
 
 TEST(Cli, GenerateJsonPlainAndDFlash) {

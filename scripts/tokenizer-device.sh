@@ -22,3 +22,10 @@ for i in 1 2; do
     --corpus "$bench" | sed 's/^/hf /' | tee -a "$out/bench.txt"
   "$dflash" tokenize --tokenizer "$work/qwen3" --bench "$bench" | sed 's/^/dflash /' | tee -a "$out/bench.txt"
 done
+# Added-token flags (lstrip, rstrip, single_word, normalized) on purpose-built strings, with the
+# tokenizers shipped in tokenizer_golden.tar.xz.
+tar -xJf tests/fixtures/tokenizers/tokenizer_golden.tar.xz -C "$work"
+for t in llama3_style gpt2_style; do
+  python3 tools/tokenizer_golden.py --tokenizer "$work/tokenizer_golden/$t" --corpus tests/fixtures/tokenizers/added_tokens_cases.jsonl \
+    --out "$out/${t}_added.jsonl" --with-special
+done

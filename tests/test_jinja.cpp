@@ -36,7 +36,7 @@ TEST(Jinja, UnsupportedConstructsFailAtLoad) {
   for (const char* src : {"{% include 'x' %}", "{% extends 'x' %}", "{% import 'x' as y %}", "{{ x | nosuchfilter }}",
                           "{% if x is nosuchtest %}{% endif %}", "{% for x in y recursive %}{% endfor %}",
                           "{% if x %}", "{{ x ", "{% endif %}", "{{ 'unterminated }}", "{# open comment",
-                          "{% raw %} never closed", "{{ f(*args) }}"}) {
+                          "{% raw %} never closed", "{{ f(*args) }}", "{{ (1] }}"}) {
     const std::string e = error_of([&] { Template t(src); });
     EXPECT_NE(e, "") << src;
     EXPECT_NE(e.find("template line"), std::string::npos) << src << ": " << e;
@@ -65,6 +65,7 @@ TEST(Jinja, LimitsStopRunawayTemplates) {
   const std::string deep = std::string(5000, '(') + "1" + std::string(5000, ')');
   EXPECT_NE(error_of([&] { Template t("{{ " + deep + " }}"); }).find("deeper"), std::string::npos);
   EXPECT_NE(error_of([&] { Template t("{{ (1] }}"); }).find("unexpected ']'"), std::string::npos);
+  EXPECT_NE(error_of([&] { Template t("ok \xC3("); }).find("not valid UTF-8"), std::string::npos);
   // A well-behaved template is unaffected.
   EXPECT_EQ(render("{% for i in range(3) %}{{ i }}{% endfor %}", small), "012");
 }

@@ -123,6 +123,26 @@ TEST(Tokenizer, TrainedTokenizersMatchHuggingFace) {
   EXPECT_EQ(gpt2.encode("abc", true), gpt2.encode("abc", false));
 }
 
+TEST(Tokenizer, AddedTokenFlagsMatchHuggingFace) {
+  // 129 strings around tokens with lstrip, rstrip, single_word and normalized set
+  // (tests/fixtures/tokenizers/added_tokens_cases.jsonl), ids from HF tokenizers 0.23.2.
+  for (const char* name : {"llama3_style", "gpt2_style"}) {
+    const Tokenizer tok(golden(std::string("tokenizer_golden/") + name));
+    std::ifstream f(test::fixture(std::string("tokenizers/") + name + "_added.jsonl"));
+    std::string line;
+    int n = 0;
+    while (std::getline(f, line)) {
+      const auto j = nlohmann::json::parse(line);
+      const std::string text = j["text"];
+      ++n;
+      EXPECT_EQ(tok.encode(text), j["ids"].get<std::vector<int32_t>>()) << name << " " << nlohmann::json(text);
+      EXPECT_EQ(tok.encode(text, true), j["ids_special"].get<std::vector<int32_t>>()) << name;
+      if (j["rt"].get<bool>()) EXPECT_EQ(tok.decode(tok.encode(text)), text) << name;
+    }
+    EXPECT_EQ(n, 129) << name;
+  }
+}
+
 TEST(Tokenizer, SpecialTokensAreMatchedInsideText) {
   const Tokenizer& t = qwen3();
   const auto im_start = *t.token_to_id("<|im_start|>");

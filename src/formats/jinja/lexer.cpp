@@ -306,6 +306,7 @@ class Lexer {
 }  // namespace
 
 std::vector<Token> tokenize(const std::string& source) {
+  utf8::require_valid(source, "template source");
   // Newlines become "\n" everywhere; one trailing newline is dropped.
   std::string s;
   s.reserve(source.size());

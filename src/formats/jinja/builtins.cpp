@@ -334,7 +334,7 @@ Value attr_path(const Value& v, const std::string& path) {
   while (true) {
     const size_t j = path.find('.', i);
     const std::string part = path.substr(i, j == std::string::npos ? std::string::npos : j - i);
-    const bool digits = !part.empty() && part.find_first_not_of("0123456789") == std::string::npos;
+    const bool digits = !part.empty() && part.size() <= 18 && part.find_first_not_of("0123456789") == std::string::npos;
     cur = digits ? get_item(cur, Value(static_cast<int64_t>(std::stoll(part)))) : get_item(cur, Value(part));
     if (j == std::string::npos) return cur;
     i = j + 1;

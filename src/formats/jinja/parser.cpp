@@ -483,7 +483,9 @@ class Parser {
         if (at(T::Int)) {
           auto it = make(Expr::Kind::Item, line);
           auto k = make(Expr::Kind::Literal, line);
-          k->value = Value(static_cast<int64_t>(std::stoll(take().text)));
+          const std::string digits = take().text;
+          check(digits.size() <= 18, err("index ", digits, " is out of range"));
+          k->value = Value(static_cast<int64_t>(std::stoll(digits)));
           it->args.push_back(std::move(e));
           it->args.push_back(std::move(k));
           e = std::move(it);

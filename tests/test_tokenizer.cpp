@@ -137,7 +137,9 @@ TEST(Tokenizer, AddedTokenFlagsMatchHuggingFace) {
       ++n;
       EXPECT_EQ(tok.encode(text), j["ids"].get<std::vector<int32_t>>()) << name << " " << nlohmann::json(text);
       EXPECT_EQ(tok.encode(text, true), j["ids_special"].get<std::vector<int32_t>>()) << name;
-      if (j["rt"].get<bool>()) EXPECT_EQ(tok.decode(tok.encode(text)), text) << name;
+      if (j["rt"].get<bool>()) {
+        EXPECT_EQ(tok.decode(tok.encode(text)), text) << name;
+      }
     }
     EXPECT_EQ(n, 129) << name;
   }

@@ -141,6 +141,23 @@ TEST(Cli, GenerateFromTextAndChat) {
   EXPECT_NE(no_tok.err.find("tokenizer"), std::string::npos) << no_tok.err;
 }
 
+TEST(Cli, GenerateDefaultsToTheBundledPair) {
+  const auto r = run_cli("generate --prompt 'def add(a, b):' --max-tokens 24 --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["block_size"], 16);  // DFlash with the bundled draft
+  EXPECT_EQ(j["tokens"].size(), 24u);
+  EXPECT_TRUE(j["text"].is_string());
+  const auto plain = run_cli("generate --prompt 'def add(a, b):' --max-tokens 24 --json --speculative none");
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  const auto jp = nlohmann::json::parse(plain.out);
+  EXPECT_EQ(jp["block_size"], 1);
+  EXPECT_EQ(jp["tokens"], j["tokens"]);
+  const auto text = run_cli("generate --prompt 'import os' --max-tokens 8");
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_NE(text.err.find("tau"), std::string::npos) << text.err;
+}
+
 TEST(Cli, GenerateJsonPlainAndDFlash) {
   const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
   const auto prompt = meta["prompts"][0].get<std::vector<int>>();

@@ -5,18 +5,20 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/bundled_models.h"
 #include "cli/commands.h"
 #include "engine/engine.h"
 #include "formats/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
+#include "util/mapped_file.h"
 
 namespace dflash::cli {
 
 namespace {
 
 struct GenerateArgs {
-  std::string model, draft, speculative, prompt_ids, prompt, chat, device = "cpu";
+  std::string model, draft, speculative, prompt_ids, prompt, prompt_file, chat, device = "cpu";
   int max_tokens = 128, block_size = 0, page_size = 16;
   bool json = false, enable_thinking = false;
 };
@@ -48,7 +50,12 @@ std::vector<int32_t> parse_ids(const std::string& s) {
   return ids;
 }
 
-Prompt resolve_prompt(const GenerateArgs& a) {
+Prompt resolve_prompt(GenerateArgs a) {
+  if (!a.prompt_file.empty()) {
+    check(a.prompt.empty(), "give only one of --prompt and --prompt-file");
+    a.prompt = read_text_file(a.prompt_file);
+    check(!a.prompt.empty(), "--prompt-file ", a.prompt_file, " is empty");
+  }
   const int given = !a.prompt_ids.empty() + !a.prompt.empty() + !a.chat.empty();
   check(given == 1, given ? "give only one of --prompt, --chat and --prompt-ids"
                           : "no prompt given (use --prompt TEXT, --chat TEXT or --prompt-ids \"1,2,3\")");
@@ -111,11 +118,14 @@ void print_text(const GenerationResult& r, const Tokenizer* tok) {
 
 Command add_generate(CLI::App& app) {
   auto a = std::make_shared<GenerateArgs>();
-  app.add_option("--model", a->model, "target model directory (Hugging Face layout)")->required();
+  app.add_option("--model", a->model,
+                 std::string("target model directory (Hugging Face layout); default: the bundled ") + kBundledTarget +
+                     " with its DFlash draft");
   app.add_option("--draft", a->draft, "DFlash draft directory; enables DFlash decoding by default");
-  app.add_option("--speculative", a->speculative, "none | dflash (default: dflash when --draft is given)")
+  app.add_option("--speculative", a->speculative, "none | dflash (default: dflash when a draft is used)")
       ->check(CLI::IsMember({"none", "dflash"}));
   app.add_option("--prompt", a->prompt, "prompt text, tokenized with the model directory's tokenizer.json");
+  app.add_option("--prompt-file", a->prompt_file, "prompt text read from a file (as --prompt)");
   app.add_option("--chat", a->chat, "a user message, rendered with the model's chat template, then tokenized");
   app.add_flag("--enable-thinking", a->enable_thinking, "with --chat: let the model think (enable_thinking=true)");
   app.add_option("--prompt-ids", a->prompt_ids, "prompt as comma-separated token ids");
@@ -125,6 +135,10 @@ Command add_generate(CLI::App& app) {
   app.add_option("--device", a->device, "cpu")->check(CLI::IsMember({"cpu"}));
   app.add_flag("--json", a->json, "print one JSON object with tokens and statistics");
   return [a] {
+    if (a->model.empty()) {
+      a->model = bundled_model_dir(kBundledTarget);
+      if (a->draft.empty()) a->draft = bundled_model_dir(kBundledDraft);
+    }
     const bool spec = a->speculative.empty() ? !a->draft.empty() : a->speculative == "dflash";
     check(!spec || !a->draft.empty(), "--speculative dflash needs --draft DIR");
     const Prompt prompt = resolve_prompt(*a);

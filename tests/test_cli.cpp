@@ -22,19 +22,7 @@ struct RunResult {
   std::string out, err;
 };
 
-RunResult run_cli(const std::string& args) {
-  test::TempDir dir;
-  const std::string cmd = std::string(DFLASH_BINARY) + " " + args + " 2>" + dir.file("err") + " </dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out, read_text_file(dir.file("err"))};
-}
-
-// Runs with `input` on stdin.
+// Runs the binary with `input` on stdin.
 RunResult run_cli_input(const std::string& args, const std::string& input) {
   test::TempDir dir;
   test::write_file(dir.file("in"), input);
@@ -47,6 +35,8 @@ RunResult run_cli_input(const std::string& args, const std::string& input) {
   const int st = pclose(p);
   return {WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st), out, read_text_file(dir.file("err"))};
 }
+
+RunResult run_cli(const std::string& args) { return run_cli_input(args, ""); }
 
 std::string qwen3_tokenizer() { return std::string(DFLASH_GENERATED_FIXTURES) + "/qwen3"; }
 

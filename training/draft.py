@@ -59,14 +59,15 @@ def greedy_continuations(model, prompts, n_new):
 
 def masked_attention(attn, x, ctx, ctx_pos, blk_pos, mask, inv_freq):
     """One draft attention over [ctx ++ blocks] with an explicit visibility mask.
-    x: [b, Q, h] normed block rows; ctx: [b, T, h]; mask: [b, Q, T + Q] (True = visible)."""
+    x: [b, Q, h] normed block rows; ctx: [b, T, h]; mask: [b, Q, T + Q] (True = visible);
+    positions are per sequence: blk_pos [b, Q], ctx_pos [b, T]."""
     b, Q, _ = x.shape
     T = ctx.shape[1]
     hd = attn.head_dim
-    q = ref.apply_rope(attn.q_norm(attn.q_proj(x).view(b, Q, attn.n_heads, hd)), blk_pos, inv_freq)
-    kb = ref.apply_rope(attn.k_norm(attn.k_proj(x).view(b, Q, attn.n_kv_heads, hd)), blk_pos, inv_freq)
+    q = apply_rope_batched(attn.q_norm(attn.q_proj(x).view(b, Q, attn.n_heads, hd)), blk_pos, inv_freq)
+    kb = apply_rope_batched(attn.k_norm(attn.k_proj(x).view(b, Q, attn.n_kv_heads, hd)), blk_pos, inv_freq)
     vb = attn.v_proj(x).view(b, Q, attn.n_kv_heads, hd)
-    kc = ref.apply_rope(attn.k_norm(attn.k_proj(ctx).view(b, T, attn.n_kv_heads, hd)), ctx_pos, inv_freq)
+    kc = apply_rope_batched(attn.k_norm(attn.k_proj(ctx).view(b, T, attn.n_kv_heads, hd)), ctx_pos, inv_freq)
     vc = attn.v_proj(ctx).view(b, T, attn.n_kv_heads, hd)
     k = torch.cat([kc, kb], 1).transpose(1, 2)
     v = torch.cat([vc, vb], 1).transpose(1, 2)
@@ -106,14 +107,9 @@ def draft_anchor_forward(draft, feats, tokens, anchors, embed, mask_id):
     see_blk = (blk_id[:, None] == blk_id[None, :]).expand(b, K * B, K * B)
     mask = torch.cat([see_ctx, see_blk], -1)
     inv_freq = draft.inv_freq.float()
-    orig = ref.apply_rope
-    ref.apply_rope = lambda t, pos, inv: apply_rope_batched(t, pos, inv)          # positions per sequence
-    try:
-        for layer in draft.layers:
-            x = x + masked_attention(layer.self_attn, layer.input_layernorm(x), ctx, ctx_pos, blk_pos, mask, inv_freq)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-    finally:
-        ref.apply_rope = orig
+    for layer in draft.layers:
+        x = x + masked_attention(layer.self_attn, layer.input_layernorm(x), ctx, ctx_pos, blk_pos, mask, inv_freq)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
     return draft.norm(x).view(b, K, B, -1)
 
 

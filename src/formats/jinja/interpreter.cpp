@@ -30,7 +30,21 @@ int64_t floordiv(int64_t a, int64_t b) {
   return q;
 }
 
+// Errors from built-ins get the template line; errors already located pass through.
+[[noreturn]] void rethrow_at(int line, const std::string& prefix, const Error& e) {
+  const std::string m = e.what();
+  if (m.rfind("template", 0) == 0) throw e;
+  fail_at(line, prefix + m);
+}
+
 }  // namespace
+
+CallArgs Interpreter::eval_args(const Expr& e, const std::shared_ptr<Scope>& scope) {
+  CallArgs a;
+  for (size_t k = 1; k < e.args.size(); ++k) a.args.push_back(eval(*e.args[k], scope));
+  for (const auto& [kn, kv] : e.kwargs) a.kwargs.emplace_back(kn, eval(*kv, scope));
+  return a;
+}
 
 const Value* Scope::lookup(const std::string& name) const {
   for (const Scope* s = this; s; s = s->parent.get()) {
@@ -116,9 +130,7 @@ Interpreter::Flow Interpreter::exec(const Body& body, const std::shared_ptr<Scop
         std::string inner;
         const Flow f = exec(s.body, scope, inner);
         if (f != Flow::Normal) return f;
-        CallArgs args;
-        for (size_t k = 1; k < s.filter->args.size(); ++k) args.args.push_back(eval(*s.filter->args[k], scope));
-        for (const auto& [k, v] : s.filter->kwargs) args.kwargs.emplace_back(k, eval(*v, scope));
+        CallArgs args = eval_args(*s.filter, scope);
         out += apply_filter(*this, s.filter->name, Value(std::move(inner)), args).str();
         break;
       }
@@ -254,9 +266,7 @@ Value Interpreter::call(const Value& fn, CallArgs& args, int line) {
   try {
     return fn.fn()(args);
   } catch (const Error& e) {
-    const std::string m = e.what();
-    if (m.rfind("template", 0) == 0) throw;
-    fail_at(line, m);
+    rethrow_at(line, "", e);
   }
 }
 
@@ -305,39 +315,29 @@ Value Interpreter::eval(const Expr& e, const std::shared_ptr<Scope>& scope) {
     }
     case Expr::Kind::Call: {
       const Value fn = eval(*e.args[0], scope);
-      CallArgs a;
-      for (size_t k = 1; k < e.args.size(); ++k) a.args.push_back(eval(*e.args[k], scope));
-      for (const auto& [kn, kv] : e.kwargs) a.kwargs.emplace_back(kn, eval(*kv, scope));
+      CallArgs a = eval_args(e, scope);
       Value r = call(fn, a, e.line);
       if (r.is_string()) check_size(r.str_ref().size());
       return r;
     }
     case Expr::Kind::Filter: {
       const Value in = eval(*e.args[0], scope);
-      CallArgs a;
-      for (size_t k = 1; k < e.args.size(); ++k) a.args.push_back(eval(*e.args[k], scope));
-      for (const auto& [kn, kv] : e.kwargs) a.kwargs.emplace_back(kn, eval(*kv, scope));
+      CallArgs a = eval_args(e, scope);
       try {
         Value r = apply_filter(*this, e.name, in, a);
         if (r.is_string()) check_size(r.str_ref().size());
         return r;
       } catch (const Error& x) {
-        const std::string m = x.what();
-        if (m.rfind("template", 0) == 0) throw;
-        fail_at(e.line, cat("filter ", e.name, ": ", m));
+        rethrow_at(e.line, "filter " + e.name + ": ", x);
       }
     }
     case Expr::Kind::Test: {
       const Value in = eval(*e.args[0], scope);
-      CallArgs a;
-      for (size_t k = 1; k < e.args.size(); ++k) a.args.push_back(eval(*e.args[k], scope));
-      for (const auto& [kn, kv] : e.kwargs) a.kwargs.emplace_back(kn, eval(*kv, scope));
+      CallArgs a = eval_args(e, scope);
       try {
         return Value(apply_test(*this, e.name, in, a) != e.negated);
       } catch (const Error& x) {
-        const std::string m = x.what();
-        if (m.rfind("template", 0) == 0) throw;
-        fail_at(e.line, cat("test ", e.name, ": ", m));
+        rethrow_at(e.line, "test " + e.name + ": ", x);
       }
     }
     case Expr::Kind::Unary: {

@@ -31,6 +31,8 @@ class Interpreter {
   Flow exec(const Body& body, const std::shared_ptr<Scope>& scope, std::string& out);
   Flow exec_for(const Stmt& s, const std::shared_ptr<Scope>& scope, std::string& out);
   Value binary(const Expr& e, const std::shared_ptr<Scope>& scope);
+  // Evaluated arguments of a call, filter or test: args[1..] and kwargs.
+  CallArgs eval_args(const Expr& e, const std::shared_ptr<Scope>& scope);
   Value make_macro(const Stmt& s, const std::shared_ptr<Scope>& scope);
 
   RenderLimits limits_;

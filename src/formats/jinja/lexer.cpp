@@ -49,7 +49,6 @@ std::string unescape(const std::string& body, int line) {
     }
     const char e = body[++i];
     auto hex = [&](int n) {
-      check(i + n < body.size() + 0 || i + n <= body.size() - 1 + 1, "template line ", line, ": truncated escape");
       uint32_t v = 0;
       for (int k = 0; k < n; ++k) {
         check(i + 1 < body.size() && std::isxdigit(static_cast<unsigned char>(body[i + 1])), "template line ", line,

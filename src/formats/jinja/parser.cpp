@@ -210,9 +210,6 @@ class Parser {
       const bool closing = kw.rfind("end", 0) == 0 || kw == "elif" || kw == "else";
       throw Error(err(closing ? "unexpected {% " : "the {% ", kw, closing ? " %}" : " %} tag is not supported"));
     }
-    if (s->kind == Stmt::Kind::For) {
-      // loops_ counts enclosing loops for break/continue checks (done in body()).
-    }
     return s;
   }
 
@@ -280,22 +277,23 @@ class Parser {
     return b;
   }
 
-  ExprPtr or_expr() {
-    ExprPtr l = and_expr();
-    while (at_name("or")) {
+  // One left-associative precedence level: operand (op operand)*, where op is one
+  // of `ops` (operator tokens, or keywords when `keyword`).
+  template <typename Operand>
+  ExprPtr left_assoc(std::initializer_list<const char*> ops, bool keyword, Operand operand) {
+    ExprPtr l = operand();
+    while (true) {
+      const char* op = nullptr;
+      for (const char* o : ops) {
+        if (keyword ? at_name(o) : at_op(o)) op = o;
+      }
+      if (!op) return l;
       const int line = take().line;
-      l = binary("or", std::move(l), and_expr(), line);
+      l = binary(op, std::move(l), operand(), line);
     }
-    return l;
   }
-  ExprPtr and_expr() {
-    ExprPtr l = not_expr();
-    while (at_name("and")) {
-      const int line = take().line;
-      l = binary("and", std::move(l), not_expr(), line);
-    }
-    return l;
-  }
+  ExprPtr or_expr() { return left_assoc({"or"}, true, [this] { return and_expr(); }); }
+  ExprPtr and_expr() { return left_assoc({"and"}, true, [this] { return not_expr(); }); }
   ExprPtr not_expr() {
     if (at_name("not")) {
       Guard g(depth_, *this);
@@ -333,39 +331,10 @@ class Parser {
     }
     return c ? std::move(c) : std::move(first);
   }
-  ExprPtr math1() {
-    ExprPtr l = concat();
-    while (at_op("+") || at_op("-")) {
-      const Token& op = take();
-      l = binary(op.text == "+" ? "+" : "-", std::move(l), concat(), op.line);
-    }
-    return l;
-  }
-  ExprPtr concat() {
-    ExprPtr l = math2();
-    while (at_op("~")) {
-      const int line = take().line;
-      l = binary("~", std::move(l), math2(), line);
-    }
-    return l;
-  }
-  ExprPtr math2() {
-    ExprPtr l = power();
-    while (at_op("*") || at_op("/") || at_op("//") || at_op("%")) {
-      const Token& op = take();
-      const std::string o = op.text;
-      l = binary(o == "*" ? "*" : o == "/" ? "/" : o == "//" ? "//" : "%", std::move(l), power(), op.line);
-    }
-    return l;
-  }
-  ExprPtr power() {
-    ExprPtr l = unary(true);
-    while (at_op("**")) {
-      const int line = take().line;
-      l = binary("**", std::move(l), unary(true), line);
-    }
-    return l;
-  }
+  ExprPtr math1() { return left_assoc({"+", "-"}, false, [this] { return concat(); }); }
+  ExprPtr concat() { return left_assoc({"~"}, false, [this] { return math2(); }); }
+  ExprPtr math2() { return left_assoc({"*", "/", "//", "%"}, false, [this] { return power(); }); }
+  ExprPtr power() { return left_assoc({"**"}, false, [this] { return unary(true); }); }
   ExprPtr unary(bool with_filter) {
     Guard g(depth_, *this);
     ExprPtr e;

@@ -15,8 +15,8 @@ namespace {
 TEST(BundledModel, MatchesReferenceAndKeepsItsAcceptance) {
   const auto ref = test::read_json(test::fixture("expected/pycoder16m_humaneval.json"));
   EngineOptions eo;
-  eo.model_dir = std::string(DFLASH_MODELS_DIR) + "/pycoder-16m";
-  eo.draft_dir = std::string(DFLASH_MODELS_DIR) + "/pycoder-16m-dflash-b16";
+  eo.model_dir = test::models_dir() + "/pycoder-16m";
+  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
   Engine engine(eo);
   ASSERT_EQ(engine.block_size(), 16);
   int same_acceptance = 0, steps = 0, produced = 0, ref_steps = 0, ref_produced = 0;

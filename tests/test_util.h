@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -19,7 +20,14 @@
 
 namespace dflash::test {
 
-inline std::string fixture(const std::string& rel) { return std::string(DFLASH_FIXTURES_DIR) + "/" + rel; }
+// Paths compiled in from the source tree; the environment variables of the same
+// names override them where the tests run from another checkout (the device).
+inline std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+inline std::string fixture(const std::string& rel) { return env_or("DFLASH_FIXTURES_DIR", DFLASH_FIXTURES_DIR) + "/" + rel; }
+inline std::string models_dir() { return env_or("DFLASH_MODELS_DIR", DFLASH_MODELS_DIR); }
 
 inline nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(read_text_file(path)); }
 
@@ -76,6 +84,18 @@ inline double max_rel_error(const std::vector<float>& a, const std::vector<float
     max_ref = std::max(max_ref, std::abs(static_cast<double>(ref[i])));
   }
   return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
+// ||a - ref|| / ||ref|| (infinite when a holds a NaN or an infinity).
+inline double rel_l2_error(const std::vector<float>& a, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    const double d = static_cast<double>(a[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 inline std::vector<float> random_vector(std::mt19937& rng, size_t n, float scale = 1.0f) {

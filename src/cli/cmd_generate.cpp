@@ -18,7 +18,7 @@ namespace dflash::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string model, draft, speculative, prompt_ids, prompt, prompt_file, chat, device = "cpu";
+  std::string model, draft, speculative, prompt_ids, prompt, prompt_file, chat, device = "auto";
   int max_tokens = 128, block_size = 0, page_size = 16;
   bool json = false, enable_thinking = false;
 };
@@ -132,7 +132,7 @@ Command add_generate(CLI::App& app) {
   app.add_option("--max-tokens", a->max_tokens, "maximum number of generated tokens")->check(CLI::Range(1, 1 << 24));
   app.add_option("--block-size", a->block_size, "DFlash block size (default: the draft's)")->check(CLI::Range(2, 256));
   app.add_option("--page-size", a->page_size, "KV-cache page size in tokens")->check(CLI::Range(1, 4096));
-  app.add_option("--device", a->device, "cpu")->check(CLI::IsMember({"cpu"}));
+  app.add_option("--device", a->device, "cpu, cuda, or auto (the GPU when one is present)")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   app.add_flag("--json", a->json, "print one JSON object with tokens and statistics");
   return [a] {
     if (a->model.empty()) {

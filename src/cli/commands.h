@@ -14,5 +14,7 @@ Command add_generate(CLI::App& app);
 Command add_inspect(CLI::App& app);
 Command add_tokenize(CLI::App& app);
 Command add_chat_template(CLI::App& app);
+Command add_bench_step(CLI::App& app);
+Command add_logits(CLI::App& app);
 
 }  // namespace dflash::cli

@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   add("generate", "generate tokens for one prompt and print them with statistics", dflash::cli::add_generate);
   add("tokenize", "turn text into token ids with a tokenizer.json", dflash::cli::add_tokenize);
   add("chat-template", "render chat messages with a tokenizer's chat template", dflash::cli::add_chat_template);
+  add("bench-step", "time decode and DFlash steps against the memory-bandwidth floor", dflash::cli::add_bench_step);
+  add("logits", "write a target's logits for every prompt position (float32 file)", dflash::cli::add_logits);
   add("inspect", "describe a model or draft checkpoint directory", dflash::cli::add_inspect);
   try {
     app.parse(argc, argv);

@@ -24,7 +24,22 @@ struct Engine::Impl {
 
 static std::unique_ptr<Backend> make_backend(const std::string& device) {
   if (device == "cpu") return make_cpu_backend();
-  throw Error(cat("unsupported device '", device, "' (this build supports: cpu)"));
+  if (device == "cuda") return make_cuda_backend();
+  if (device == "auto") return cuda_device_count() > 0 ? make_cuda_backend() : make_cpu_backend();
+  throw Error(cat("unknown device '", device, "' (expected cpu, cuda or auto)"));
+}
+
+// Refuses checkpoints whose bf16 weights cannot fit in the device's free memory.
+static void check_fits(Backend& be, const std::string& model_dir, const std::string& draft_dir) {
+  int64_t free_bytes = 0, total_bytes = 0;
+  if (!be.memory_info(free_bytes, total_bytes)) return;
+  int64_t need = 0;
+  for (const auto& dir : {model_dir, draft_dir}) {
+    if (dir.empty()) continue;
+    for (const auto& t : TensorStore::open(dir).all()) need += 2 * t.n_elements();
+  }
+  check(need < free_bytes, "the model does not fit: its weights need ", need / (1 << 20), " MiB in bf16, the GPU has ",
+        free_bytes / (1 << 20), " MiB free of ", total_bytes / (1 << 20), " MiB");
 }
 
 Engine::Engine(const EngineOptions& opts) : impl_(std::make_unique<Impl>()) {
@@ -33,6 +48,7 @@ Engine::Engine(const EngineOptions& opts) : impl_(std::make_unique<Impl>()) {
   impl_->opts = opts;
   impl_->be = make_backend(opts.device);
   impl_->backend_name = impl_->be->name();
+  check_fits(*impl_->be, opts.model_dir, opts.draft_dir);
   impl_->target = std::make_unique<TargetModel>(*impl_->be, opts.model_dir);
   const GenerationConfig gen = load_generation_config(opts.model_dir);
   impl_->eos_ids = gen.eos_token_ids;

@@ -38,10 +38,26 @@ struct AttentionParams {
   int page_size = 0;
 };
 
+// Shape of an upload: checkpoint tensors stacked along rows (2-D, same column
+// count) or 1-D tensors concatenated into one row. Throws Error naming the
+// tensors when they cannot be stacked.
+struct UploadShape {
+  int64_t rows = 0, cols = 0;
+};
+UploadShape upload_shape(const std::vector<const TensorInfo*>& parts);
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // Free and total device memory; false when the backend has no such limit (CPU).
+  virtual bool memory_info(int64_t& free_bytes, int64_t& total_bytes) { return false; }
+  // Waits until every queued operation has finished (for timing).
+  virtual void synchronize() {}
+  // Returns memory cached by the allocator but unused to the device (memory reports).
+  virtual void release_cached_memory() {}
+  // Device-to-device copy bandwidth in GB/s over a `bytes` buffer, counting bytes read plus written.
+  virtual double measure_copy_gbps(int64_t bytes) = 0;
 
   // Memory. Contents of new tensors are unspecified.
   virtual Tensor alloc(int64_t rows, int64_t cols) = 0;
@@ -51,6 +67,9 @@ class Backend {
   virtual Tensor upload_host(const float* data, int64_t rows, int64_t cols) = 0;
   virtual std::vector<float> to_host(const Tensor& t) = 0;
   virtual KvCache alloc_kv(int n_layers, int n_pages, int page_size, int n_kv_heads, int head_dim) = 0;
+
+  // Fills t with uniform random values in [-scale, scale) (benchmarks: caches that are not all zeros).
+  virtual void fill_random(Tensor& t, uint64_t seed, float scale) = 0;
 
   // out[r] = table[ids[r]]
   virtual void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out) = 0;
@@ -81,5 +100,8 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
+// Throws Error when this build has no CUDA backend or no GPU is present.
+std::unique_ptr<Backend> make_cuda_backend();
+int cuda_device_count();  // 0 in builds without CUDA
 
 }  // namespace dflash

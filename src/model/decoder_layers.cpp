@@ -31,6 +31,14 @@ LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c,
   return w;
 }
 
+int64_t layer_bytes(const LayerWeights& w) {
+  int64_t n = 0;
+  for (const Tensor* t : {&w.attn_norm, &w.qkv, &w.qkv_bias, &w.q_norm, &w.k_norm, &w.o, &w.o_bias, &w.mlp_norm,
+                          &w.gate_up, &w.gate_up_bias, &w.down, &w.down_bias})
+    n += tensor_bytes(*t);
+  return n;
+}
+
 static const Tensor* opt(const Tensor& t) { return t.empty() ? nullptr : &t; }
 
 Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,

@@ -32,6 +32,11 @@ struct LayerWeights {
   }
 };
 
+// Bytes of a tensor's elements (0 when empty).
+inline int64_t tensor_bytes(const Tensor& t) { return t.empty() ? 0 : t.rows * t.cols * static_cast<int64_t>(dtype_size(t.dtype)); }
+// Bytes of every weight of the layer: what one forward over it must read.
+int64_t layer_bytes(const LayerWeights& w);
+
 // Loads layer `i` with tensor names `prefix`layers.i.*, checking every shape.
 LayerWeights load_layer(Backend& be, const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i);
 

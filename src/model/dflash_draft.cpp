@@ -24,6 +24,13 @@ DraftModel::DraftModel(Backend& be, const std::string& dir, const TargetModel& t
   inv_freq_ = rope_inv_freq(c.rope, c.head_dim);
 }
 
+int64_t DraftModel::weight_bytes_per_step() const {
+  int64_t n = tensor_bytes(w_.fc) + tensor_bytes(w_.hidden_norm) + tensor_bytes(w_.final_norm) +
+              tensor_bytes(target_.weights().lm_head);
+  for (const auto& l : w_.layers) n += layer_bytes(l);
+  return n;
+}
+
 KvCache DraftModel::alloc_cache(int n_pages, int page_size) {
   return be_.alloc_kv(cfg_.layers.n_layers, n_pages, page_size, cfg_.layers.n_kv_heads, cfg_.layers.head_dim);
 }

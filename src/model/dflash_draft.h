@@ -38,6 +38,8 @@ class DraftModel {
   Tensor forward_block(const ForwardBatch& batch, KvCache& cache);
 
   KvCache alloc_cache(int n_pages, int page_size);
+  // Weight bytes a draft step reads: fc, norms, layers and the target's lm_head.
+  int64_t weight_bytes_per_step() const;
   const DraftConfig& config() const { return cfg_; }
   const std::string& dir() const { return dir_; }
 

@@ -20,6 +20,12 @@ KvCache TargetModel::alloc_cache(int n_pages, int page_size) {
   return be_.alloc_kv(cfg_.n_layers, n_pages, page_size, cfg_.n_kv_heads, cfg_.head_dim);
 }
 
+int64_t TargetModel::weight_bytes_per_step() const {
+  int64_t n = tensor_bytes(w_.final_norm) + tensor_bytes(w_.lm_head);
+  for (const auto& l : w_.layers) n += layer_bytes(l);
+  return n;
+}
+
 Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t>& rows, const Tensor& lm_head) {
   Tensor picked = be.alloc(static_cast<int64_t>(rows.size()), normed.cols);
   be.gather_rows(normed, rows, picked);

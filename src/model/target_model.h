@@ -33,6 +33,8 @@ class TargetModel {
   Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
 
   KvCache alloc_cache(int n_pages, int page_size);
+  // Weight bytes a decode step reads: every layer, the final norm and lm_head.
+  int64_t weight_bytes_per_step() const;
   const ModelConfig& config() const { return cfg_; }
   const TargetWeights& weights() const { return w_; }
   Backend& backend() const { return be_; }

@@ -24,6 +24,15 @@ inline float bf16_to_f32(uint16_t h) {
 
 float f16_to_f32(uint16_t h);
 
+// Rounds to the nearest bfloat16, ties to even (NaN stays NaN).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 // Converts n elements of type `t` at `src` (any alignment) to float.
 void convert_to_f32(DType t, const void* src, float* dst, size_t n);
 

@@ -5,6 +5,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
+#include <random>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -64,17 +66,8 @@ class CpuBackend final : public Backend {
   }
 
   Tensor upload(const std::vector<const TensorInfo*>& parts) override {
-    check(!parts.empty(), "cpu backend: upload of nothing");
-    const bool vectors = parts[0]->shape.size() == 1;
-    int64_t rows = 0, cols = vectors ? 0 : parts[0]->shape.back();
-    for (const auto* p : parts) {
-      check((p->shape.size() == 1) == vectors && (vectors || (p->shape.size() == 2 && p->shape[1] == cols)),
-            p->file, ": tensor '", p->name, "' with shape ", p->shape_str(), " cannot be stacked with '",
-            parts[0]->name, "'");
-      if (vectors) cols += p->n_elements();
-      else rows += p->shape[0];
-    }
-    Tensor t = alloc(vectors ? 1 : rows, cols);
+    const UploadShape shape = upload_shape(parts);
+    Tensor t = alloc(shape.rows, shape.cols);
     float* dst = t.f32();
     for (const auto* p : parts) {
       convert_to_f32(p->dtype, p->data, dst, static_cast<size_t>(p->n_elements()));
@@ -105,6 +98,22 @@ class CpuBackend final : public Backend {
       c.v.push_back(alloc(int64_t{n_pages} * page_size, int64_t{n_kv_heads} * head_dim));
     }
     return c;
+  }
+
+  double measure_copy_gbps(int64_t bytes) override {
+    std::vector<char> a(static_cast<size_t>(bytes), 1), b(static_cast<size_t>(bytes));
+    std::memcpy(b.data(), a.data(), a.size());  // warm-up: pages are touched
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(b.data(), a.data(), a.size());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return 2.0 * static_cast<double>(bytes) / s / 1e9;
+  }
+
+  void fill_random(Tensor& t, uint64_t seed, float scale) override {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> d(-scale, scale);
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int64_t c = 0; c < t.cols; ++c) t.row_f32(r)[c] = d(rng);
   }
 
   void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out) override {

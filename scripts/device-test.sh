@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks. The GPU machine has no package registry, so the
+# build happens where the Debian packages are and the binaries travel:
+#
+#   bash scripts/device-test.sh build       # portable build into build-dev/ (static libstdc++, .so files in lib/)
+#   bash scripts/device-test.sh run OUT     # on the GPU machine, from the repository root, with build-dev/ there:
+#                                           #   CUDA kernel and engine tests, logits vs transformers, bench-step
+#
+# `run` needs python3 with torch, transformers and safetensors (the device has them) for the
+# random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
+# Steps can be chosen with STEPS="tests logits bench" (default: all three).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:?usage: device-test.sh build | run OUT}
+
+if [ "$mode" = build ]; then
+  cmake -S . -B build-dev -DCMAKE_BUILD_TYPE=Release -DDFLASH_NATIVE=OFF -DDFLASH_TESTS=ON \
+    -DDFLASH_CUDA_ARCHITECTURES="${DFLASH_CUDA_ARCHITECTURES:-90a}" \
+    -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc"
+  cmake --build build-dev -j "$(nproc)" --target dflash dflash_tests
+  mkdir -p build-dev/lib
+  for lib in $(ldd build-dev/dflash build-dev/tests/dflash_tests | awk '/pcre2|utf8proc|gomp/ {print $3}' | sort -u); do
+    cp -L "$lib" build-dev/lib/
+  done
+  ls -la build-dev/dflash build-dev/tests/dflash_tests build-dev/lib
+  exit 0
+fi
+
+[ "$mode" = run ] || { echo "unknown mode $mode" >&2; exit 2; }
+out=${2:?usage: device-test.sh run OUT}
+mkdir -p "$out"
+steps=${STEPS:-tests logits bench}
+export LD_LIBRARY_PATH="$PWD/build-dev/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export DFLASH_FIXTURES_DIR="$PWD/tests/fixtures" DFLASH_MODELS_DIR="$PWD/models"
+dflash=build-dev/dflash
+ckpt=${CKPT_DIR:-/tmp/dflash-ckpt}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
+status=0
+
+if [[ $steps == *tests* ]]; then
+  echo "== CUDA kernel and engine tests =="
+  build-dev/tests/dflash_tests --gtest_filter='Cuda*' 2>&1 | tee "$out/tests.txt" || status=1
+fi
+
+if [[ $steps == *logits* ]]; then
+  echo "== logits vs transformers: 4 layers of the Qwen3-8B shape =="
+  python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b-l4" --layers 4 --seed 1
+  ids=$(python3 -c "import random; r = random.Random(5); print(','.join(str(r.randrange(151936)) for _ in range(200)))")
+  "$dflash" logits --device cuda --model "$ckpt/qwen3-8b-l4" --prompt-ids "$ids" --out "$ckpt/l4.f32"
+  python3 tools/check_logits_hf.py "$ckpt/qwen3-8b-l4" "$ckpt/l4.f32" --prompt-ids "$ids" \
+    --json "$out/logits_vs_hf.json" || status=1
+fi
+
+if [[ $steps == *bench* ]]; then
+  echo "== bench-step: Qwen3-8B shape + z-lab DFlash draft shape, random weights =="
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
+    --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512,2048}" --json "$out/bench_step.json" \
+    2>&1 | tee "$out/bench_step.txt" || status=1
+fi
+exit $status

@@ -1,0 +1,80 @@
+// `dflash bench-step`: decode and DFlash step times against the memory-bandwidth floor.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/bundled_models.h"
+#include "cli/commands.h"
+#include "engine/step_bench.h"
+#include "util/error.h"
+
+namespace dflash::cli {
+
+namespace {
+
+nlohmann::json to_json(const StepBenchReport& rep, const StepBenchOptions& o) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& r : rep.rows) {
+    rows.push_back({{"device", rep.device}, {"model", rep.model}, {"draft", rep.draft}, {"mode", r.mode},
+                    {"batch", r.batch}, {"context", r.context}, {"ms_per_step", r.ms_per_step},
+                    {"floor_ms", r.floor_ms}, {"fraction_of_floor", r.fraction_of_floor}, {"gb_per_s", r.gb_per_s},
+                    {"bytes_per_step", r.bytes_per_step}, {"copy_gbps", rep.copy_gbps},
+                    {"device_bytes_other", r.device_bytes_other}, {"page_size", o.page_size},
+                    {"iters", o.iters}, {"load_s", rep.load_s}, {"peak_rss_bytes", rep.peak_rss_bytes},
+                    {"weight_bytes", rep.weight_bytes}, {"leak_check_steps", o.leak_check_steps},
+                    {"leak_check_growth_bytes", rep.leak_check_growth_bytes}});
+  }
+  return rows;
+}
+
+}  // namespace
+
+Command add_bench_step(CLI::App& app) {
+  auto o = std::make_shared<StepBenchOptions>();
+  auto json_path = std::make_shared<std::string>();
+  app.add_option("--model", o->model_dir, "target checkpoint directory (default: the bundled model)");
+  app.add_option("--draft", o->draft_dir, "DFlash draft directory (default with the bundled model: its draft)");
+  app.add_option("--batch", o->batches, "batch sizes, comma-separated")->delimiter(',');
+  app.add_option("--context", o->contexts, "cached tokens per sequence, comma-separated")->delimiter(',');
+  app.add_option("--device", o->device, "cpu, cuda or auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_option("--page-size", o->page_size, "KV-cache page size in tokens")->check(CLI::Range(1, 4096));
+  app.add_option("--block-size", o->block_size, "DFlash block size (default: the draft's)");
+  app.add_option("--iters", o->iters, "timed steps per row (median reported)")->check(CLI::Range(1, 100000));
+  app.add_option("--warmup", o->warmup, "untimed steps before each row")->check(CLI::Range(0, 100000));
+  app.add_option("--leak-check-steps", o->leak_check_steps, "plain steps watched for device-memory growth (0: skip)")
+      ->check(CLI::Range(0, 1000000));
+  app.add_option("--json", *json_path, "write the rows as a JSON list to this file");
+  return [o, json_path] {
+    if (o->model_dir.empty()) {
+      o->model_dir = bundled_model_dir(kBundledTarget);
+      if (o->draft_dir.empty()) o->draft_dir = bundled_model_dir(kBundledDraft);
+    }
+    const StepBenchReport rep = run_step_bench(*o);
+    std::printf("device: %s, copy bandwidth %.0f GB/s (read + write)\n", rep.device.c_str(), rep.copy_gbps);
+    std::printf("model: %s%s%s; weights %.2f GB; load %.1f s, peak host RSS %.2f GB\n", rep.model.c_str(),
+                rep.draft.empty() ? "" : " + ", rep.draft.c_str(), rep.weight_bytes / 1e9, rep.load_s,
+                rep.peak_rss_bytes / 1e9);
+    std::printf("%-7s %6s %8s %10s %10s %9s %9s %12s\n", "mode", "batch", "context", "ms/step", "floor_ms", "GB/s",
+                "fraction", "other_MiB");
+    for (const auto& r : rep.rows) {
+      std::printf("%-7s %6d %8d %10.3f %10.3f %9.0f %9.3f %12.1f\n", r.mode.c_str(), r.batch, r.context,
+                  r.ms_per_step, r.floor_ms, r.gb_per_s, r.fraction_of_floor,
+                  r.device_bytes_other >= 0 ? r.device_bytes_other / 1048576.0 : -1.0);
+    }
+    if (rep.leak_check_growth_bytes >= 0) {
+      std::printf("device memory growth over %d plain steps: %lld bytes\n", o->leak_check_steps,
+                  static_cast<long long>(rep.leak_check_growth_bytes));
+    }
+    if (!json_path->empty()) {
+      std::ofstream out(*json_path);
+      check(static_cast<bool>(out), "cannot write ", *json_path);
+      out << to_json(rep, *o).dump(2) << "\n";
+    }
+    return 0;
+  };
+}
+
+}  // namespace dflash::cli

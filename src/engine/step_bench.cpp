@@ -1,0 +1,203 @@
+#include "engine/step_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "kernels/backend.h"
+#include "model/dflash_draft.h"
+#include "model/target_model.h"
+#include "util/error.h"
+
+namespace dflash {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // kB
+  }
+  return 0;
+}
+
+int64_t device_used(Backend& be) {
+  int64_t free_b = 0, total_b = 0;
+  return be.memory_info(free_b, total_b) ? total_b - free_b : -1;
+}
+
+int64_t kv_bytes(const KvCache& c) {
+  int64_t n = 0;
+  for (const auto& t : c.k) n += tensor_bytes(t);
+  for (const auto& t : c.v) n += tensor_bytes(t);
+  return n;
+}
+
+// Bytes of K and V that attention over n_keys positions reads in every layer of a stack.
+int64_t kv_read_bytes(const ModelConfig& c, int64_t n_keys, DType dt) {
+  return n_keys * c.n_layers * 2 * int64_t{c.n_kv_heads} * c.head_dim * static_cast<int64_t>(dtype_size(dt));
+}
+
+double median_ms(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// `batch` sequences with contiguous page ranges, each holding `context` cached positions.
+struct Batch {
+  std::vector<std::vector<int32_t>> tables;
+  Batch(int batch, int64_t positions, int page_size) {
+    const int n = static_cast<int>((positions + page_size - 1) / page_size);
+    for (int b = 0; b < batch; ++b) {
+      tables.emplace_back(n);
+      for (int i = 0; i < n; ++i) tables.back()[i] = b * n + i;
+    }
+  }
+  int n_pages() const { return static_cast<int>(tables.size() * tables[0].size()); }
+};
+
+}  // namespace
+
+StepBenchReport run_step_bench(const StepBenchOptions& o) {
+  check(!o.batches.empty() && !o.contexts.empty(), "bench-step: give at least one batch size and one context");
+  for (int b : o.batches) check(b >= 1 && b <= 1024, "bench-step: batch ", b, " is outside 1..1024");
+  for (int c : o.contexts) check(c >= 1, "bench-step: context ", c, " must be positive");
+  check(o.iters >= 1 && o.warmup >= 0, "bench-step: iterations must be positive");
+  StepBenchReport rep;
+  std::unique_ptr<Backend> be;
+  if (o.device == "cpu") be = make_cpu_backend();
+  else if (o.device == "cuda" || (o.device == "auto" && cuda_device_count() > 0)) be = make_cuda_backend();
+  else be = make_cpu_backend();
+  rep.device = be->name();
+  rep.model = o.model_dir;
+  rep.draft = o.draft_dir;
+  rep.copy_gbps = be->measure_copy_gbps(int64_t{1} << (be->name() == "cpu" ? 28 : 30));
+  be->synchronize();
+  const int64_t used_before = device_used(*be);
+
+  { std::ofstream("/proc/self/clear_refs") << "5"; }  // restart the RSS high-water mark for the load
+  const auto t0 = Clock::now();
+  TargetModel target(*be, o.model_dir);
+  std::unique_ptr<DraftModel> draft;
+  if (!o.draft_dir.empty()) draft = std::make_unique<DraftModel>(*be, o.draft_dir, target);
+  be->synchronize();
+  rep.load_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  rep.peak_rss_bytes = peak_rss_bytes();
+  const ModelConfig& tc = target.config();
+  const int B = draft ? (o.block_size > 0 ? o.block_size : draft->config().block_size) : 1;
+  rep.weight_bytes = target.weight_bytes_per_step() + (draft ? draft->weight_bytes_per_step() : 0);
+  const int64_t weights_resident = device_used(*be) - used_before;
+
+  std::vector<int> layer_ids = draft ? draft->config().target_layer_ids : std::vector<int>{};
+  for (int ctx : o.contexts) {
+    check(ctx + B < tc.max_positions, "bench-step: context ", ctx, " + block ", B, " exceeds the model's ",
+          tc.max_positions, " positions");
+    for (int batch : o.batches) {
+      be->release_cached_memory();  // the previous row's KV pages
+      Batch bt(batch, ctx + B, o.page_size);
+      KvCache tcache = target.alloc_cache(bt.n_pages(), o.page_size);
+      for (size_t l = 0; l < tcache.k.size(); ++l) {
+        be->fill_random(tcache.k[l], 2 * l + 1, 1.0f);
+        be->fill_random(tcache.v[l], 2 * l + 2, 1.0f);
+      }
+      KvCache dcache;
+      if (draft) {
+        dcache = draft->alloc_cache(bt.n_pages(), o.page_size);
+        for (size_t l = 0; l < dcache.k.size(); ++l) {
+          be->fill_random(dcache.k[l], 1000 + 2 * l, 1.0f);
+          be->fill_random(dcache.v[l], 1001 + 2 * l, 1.0f);
+        }
+      }
+      const int64_t kv_resident = kv_bytes(tcache) + kv_bytes(dcache);
+      const DType kv_dtype = tcache.k[0].dtype;
+
+      auto time_steps = [&](auto&& step) {
+        for (int i = 0; i < o.warmup; ++i) step();
+        be->synchronize();
+        std::vector<double> ms;
+        for (int i = 0; i < o.iters; ++i) {
+          const auto s = Clock::now();
+          step();
+          be->synchronize();
+          ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
+        }
+        return median_ms(ms);
+      };
+      auto add_row = [&](const std::string& mode, double ms, int64_t bytes) {
+        StepBenchRow r;
+        r.mode = mode;
+        r.batch = batch;
+        r.context = ctx;
+        r.ms_per_step = ms;
+        r.bytes_per_step = bytes;
+        r.floor_ms = static_cast<double>(bytes) / (rep.copy_gbps * 1e9) * 1e3;
+        r.fraction_of_floor = r.floor_ms / ms;
+        r.gb_per_s = static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
+        const int64_t used = device_used(*be);
+        if (used >= 0) r.device_bytes_other = used - used_before - weights_resident - kv_resident;
+        rep.rows.push_back(r);
+      };
+
+      // Plain: one token per sequence at position ctx, logits for every row.
+      ForwardBatch plain(o.page_size);
+      for (int b = 0; b < batch; ++b) plain.add_sequence({static_cast<int32_t>(b % tc.n_vocab)}, ctx, bt.tables[b]);
+      for (int r = 0; r < batch; ++r) plain.logit_rows.push_back(r);
+      const double plain_ms = time_steps([&] { be->argmax_rows(target.forward(plain, tcache).logits); });
+      add_row("plain", plain_ms, target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype));
+
+      if (!draft) continue;
+      // DFlash: draft block [t, M..M] (bidirectional), verify B tokens with feature
+      // capture, project the context of all B (every draft accepted: the most work).
+      const DraftConfig& dc = draft->config();
+      ForwardBatch dblock(o.page_size), verify(o.page_size), project(o.page_size);
+      std::vector<int32_t> block(static_cast<size_t>(B), dc.mask_token_id);
+      for (int b = 0; b < batch; ++b) {
+        block[0] = b % tc.n_vocab;
+        const int32_t first = dblock.add_sequence(block, ctx, bt.tables[b], /*causal=*/false);
+        for (int i = 1; i < B; ++i) dblock.logit_rows.push_back(first + i);
+        const int32_t vfirst = verify.add_sequence(block, ctx, bt.tables[b]);
+        for (int i = 0; i < B; ++i) verify.logit_rows.push_back(vfirst + i);
+        project.add_sequence(std::vector<int32_t>(static_cast<size_t>(B), 0), ctx, bt.tables[b]);
+      }
+      const double dflash_ms = time_steps([&] {
+        be->argmax_rows(draft->forward_block(dblock, dcache));
+        auto out = target.forward(verify, tcache, layer_ids);
+        be->argmax_rows(out.logits);
+        draft->project_context(out.captured, project, dcache);
+      });
+      const int64_t dflash_bytes = target.weight_bytes_per_step() + draft->weight_bytes_per_step() +
+                                   batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +
+                                            kv_read_bytes(dc.layers, ctx + B, kv_dtype));
+      add_row("dflash", dflash_ms, dflash_bytes);
+    }
+  }
+
+  const int leak_steps = std::min(o.leak_check_steps, tc.max_positions - o.contexts[0] - 1);
+  if (leak_steps > 0) {
+    Batch bt(1, o.contexts[0] + leak_steps + 1, o.page_size);
+    KvCache cache = target.alloc_cache(bt.n_pages(), o.page_size);
+    int64_t before = -1;
+    for (int i = 0; i < leak_steps; ++i) {
+      if (i == std::min(10, leak_steps - 1)) {  // after the first steps have sized the allocator's pool
+        be->synchronize();
+        before = device_used(*be);
+      }
+      ForwardBatch step(o.page_size);
+      step.add_sequence({i % tc.n_vocab}, o.contexts[0] + i, bt.tables[0]);
+      step.logit_rows = {0};
+      be->argmax_rows(target.forward(step, cache).logits);
+    }
+    be->synchronize();
+    const int64_t after = device_used(*be);
+    if (before >= 0) rep.leak_check_growth_bytes = after - before;
+  }
+  return rep;
+}
+
+}  // namespace dflash

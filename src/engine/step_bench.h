@@ -1,0 +1,44 @@
+// Times decoding steps in isolation (no prefill, no tokenizer): a plain decode
+// step and a DFlash step (draft block + verification + context projection) for
+// `batch` sequences with `context` cached tokens each, and compares each with
+// its floor: the bytes of weights and KV the step must read over the measured
+// copy bandwidth. Used by `dflash bench-step`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dflash {
+
+struct StepBenchOptions {
+  std::string model_dir, draft_dir;  // draft optional: without it, plain rows only
+  std::string device = "auto";
+  std::vector<int> batches{1}, contexts{512};
+  int page_size = 16;
+  int block_size = 0;  // 0: the draft's
+  int warmup = 5, iters = 30;
+  int leak_check_steps = 1000;  // plain batch-1 steps watched for device-memory growth (0: skip)
+};
+
+struct StepBenchRow {
+  std::string mode;  // "plain" or "dflash"
+  int batch = 0, context = 0;
+  double ms_per_step = 0, floor_ms = 0, fraction_of_floor = 0, gb_per_s = 0;
+  int64_t bytes_per_step = 0;  // weights + KV the step must read
+  int64_t device_bytes_other = -1;  // device memory beyond weights and KV pages at this row (-1: unknown)
+};
+
+struct StepBenchReport {
+  std::string device, model, draft;
+  double copy_gbps = 0;
+  double load_s = 0;                 // loading both checkpoints onto the device
+  int64_t peak_rss_bytes = 0;        // host memory high-water mark after loading
+  int64_t weight_bytes = 0;          // target (+ draft) weights on the device
+  int64_t leak_check_growth_bytes = -1;  // device memory growth over leak_check_steps steps
+  std::vector<StepBenchRow> rows;
+};
+
+StepBenchReport run_step_bench(const StepBenchOptions& opts);
+
+}  // namespace dflash

@@ -1,0 +1,384 @@
+// CUDA backend: bf16 weights, activations and KV cache; float32 arithmetic in
+// every kernel. One stream; temporaries come from the stream-ordered memory
+// pool. Small integer arrays (ids, positions, slots, page tables) go through a
+// pinned staging ring, so an upload never waits for the GPU unless the ring wraps.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/lt_gemm.h"
+
+namespace dflash {
+namespace {
+
+using cuda::bf16;
+using cuda::Mat;
+
+Mat mat(const Tensor& t) { return {static_cast<bf16*>(t.data), t.rows, t.cols, t.stride}; }
+
+void require_bf16(const Tensor& t, const char* what) {
+  check(t.dtype == DType::BF16 && !t.empty(), "cuda backend: ", what, " must be a non-empty BF16 tensor");
+}
+
+// Owns the stream; kept alive by every allocation so that frees stay valid.
+struct StreamOwner {
+  cudaStream_t stream = nullptr;
+  StreamOwner() { CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
+  ~StreamOwner() { cudaStreamDestroy(stream); }
+};
+
+class StagingRing {
+ public:
+  explicit StagingRing(cudaStream_t s) : stream_(s) {
+    CUDA_CHECK(cudaMallocHost(&host_, kSize));
+    CUDA_CHECK(cudaMalloc(&device_, kSize));
+  }
+  ~StagingRing() {
+    cudaFreeHost(host_);
+    cudaFree(device_);
+  }
+  // Copies `bytes` to the device. The pointer stays valid until the ring wraps,
+  // which waits for the stream, i.e. for every kernel that used the old contents.
+  void* put(const void* data, size_t bytes) {
+    const size_t need = (bytes + 255) / 256 * 256;
+    check(need <= kSize / 4, "batch metadata of ", bytes, " bytes exceeds the staging ring");
+    if (offset_ + need > kSize) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      offset_ = 0;
+    }
+    char* h = static_cast<char*>(host_) + offset_;
+    char* d = static_cast<char*>(device_) + offset_;
+    std::memcpy(h, data, bytes);
+    CUDA_CHECK(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, stream_));
+    offset_ += need;
+    return d;
+  }
+
+ private:
+  static constexpr size_t kSize = size_t{32} << 20;
+  cudaStream_t stream_;
+  void* host_ = nullptr;
+  void* device_ = nullptr;
+  size_t offset_ = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() {
+    CUDA_CHECK(cudaSetDevice(0));
+    CUDA_CHECK(cudaGetDeviceProperties(&props_, 0));
+    owner_ = std::make_shared<StreamOwner>();
+    s_ = owner_->stream;
+    cudaMemPool_t pool;
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
+    uint64_t keep = UINT64_MAX;  // keep freed blocks for reuse instead of returning them at each sync
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    lt_ = std::make_unique<cuda::LtGemm>(s_);
+    ring_ = std::make_unique<StagingRing>(s_);
+    CUDA_CHECK(cudaMallocHost(&argmax_host_, sizeof(int32_t) * kArgmaxCap));
+  }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(s_);
+    for (auto& [k, p] : inv_freq_) cudaFree(p);
+    cudaFreeHost(argmax_host_);
+  }
+
+  std::string name() const override { return std::string("cuda (") + props_.name + ")"; }
+
+  bool memory_info(int64_t& free_bytes, int64_t& total_bytes) override {
+    size_t f = 0, t = 0;
+    CUDA_CHECK(cudaMemGetInfo(&f, &t));
+    free_bytes = static_cast<int64_t>(f);
+    total_bytes = static_cast<int64_t>(t);
+    return true;
+  }
+
+  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(s_)); }
+
+  void release_cached_memory() override {
+    synchronize();
+    cudaMemPool_t pool;
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
+    CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+  }
+
+  double measure_copy_gbps(int64_t bytes) override {
+    Tensor a = alloc(bytes / 2, 1), b = alloc(bytes / 2, 1);
+    fill_random(a, 1, 1.0f);
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    std::vector<float> ms;
+    for (int i = 0; i < 12; ++i) {
+      CUDA_CHECK(cudaEventRecord(e0, s_));
+      CUDA_CHECK(cudaMemcpyAsync(b.data, a.data, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, s_));
+      CUDA_CHECK(cudaEventRecord(e1, s_));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float t = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+      if (i >= 2) ms.push_back(t);  // two warm-up copies
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
+  }
+
+  void fill_random(Tensor& t, uint64_t seed, float scale) override {
+    require_bf16(t, "fill_random target");
+    check(t.contiguous(), "cuda backend: fill_random needs a contiguous tensor");
+    cuda::launch_fill_random(static_cast<bf16*>(t.data), t.rows * t.cols, seed, scale, s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  Tensor alloc(int64_t rows, int64_t cols) override {
+    check(rows >= 0 && cols >= 0, "cuda backend: negative tensor size");
+    const size_t bytes = sizeof(bf16) * static_cast<size_t>(std::max<int64_t>(rows * cols, 1));
+    void* p = nullptr;
+    const cudaError_t err = cudaMallocAsync(&p, bytes, s_);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      size_t f = 0, t = 0;
+      cudaMemGetInfo(&f, &t);
+      throw Error(cat("out of GPU memory: cannot allocate ", bytes, " bytes (", rows, " x ", cols, " bf16); ", f,
+                      " of ", t, " bytes free"));
+    }
+    auto owner = owner_;
+    Tensor tns;
+    tns.storage = std::shared_ptr<void>(p, [owner](void* q) { cudaFreeAsync(q, owner->stream); });
+    tns.data = p;
+    tns.dtype = DType::BF16;
+    tns.rows = rows;
+    tns.cols = cols;
+    tns.stride = cols;
+    return tns;
+  }
+
+  // Streams each part from its memory mapping; bf16 parts are copied as they
+  // are, others are converted through a bounded host buffer.
+  Tensor upload(const std::vector<const TensorInfo*>& parts) override {
+    const UploadShape shape = upload_shape(parts);
+    Tensor t = alloc(shape.rows, shape.cols);
+    char* dst = static_cast<char*>(t.data);
+    for (const auto* p : parts) {
+      const auto n = static_cast<size_t>(p->n_elements());
+      if (p->dtype == DType::BF16) {
+        CUDA_CHECK(cudaMemcpyAsync(dst, p->data, n * sizeof(bf16), cudaMemcpyHostToDevice, s_));
+      } else {
+        constexpr size_t kChunk = size_t{1} << 22;
+        std::vector<float> f(std::min(n, kChunk));
+        std::vector<uint16_t> h(f.size());
+        for (size_t i = 0; i < n; i += kChunk) {
+          const size_t c = std::min(kChunk, n - i);
+          convert_to_f32(p->dtype, p->data + i * dtype_size(p->dtype), f.data(), c);
+          for (size_t j = 0; j < c; ++j) h[j] = f32_to_bf16(f[j]);
+          CUDA_CHECK(cudaMemcpyAsync(dst + i * sizeof(bf16), h.data(), c * sizeof(bf16), cudaMemcpyHostToDevice, s_));
+          CUDA_CHECK(cudaStreamSynchronize(s_));  // h is reused
+        }
+      }
+      dst += n * sizeof(bf16);
+    }
+    CUDA_CHECK(cudaStreamSynchronize(s_));
+    return t;
+  }
+
+  Tensor upload_host(const float* data, int64_t rows, int64_t cols) override {
+    Tensor t = alloc(rows, cols);
+    std::vector<uint16_t> h(static_cast<size_t>(rows * cols));
+    for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(data[i]);
+    CUDA_CHECK(cudaMemcpyAsync(t.data, h.data(), h.size() * sizeof(bf16), cudaMemcpyHostToDevice, s_));
+    CUDA_CHECK(cudaStreamSynchronize(s_));
+    return t;
+  }
+
+  std::vector<float> to_host(const Tensor& t) override {
+    require_bf16(t, "to_host input");
+    std::vector<uint16_t> h(static_cast<size_t>(t.rows * t.cols));
+    CUDA_CHECK(cudaMemcpy2DAsync(h.data(), t.cols * sizeof(bf16), t.data, t.stride * sizeof(bf16),
+                                 t.cols * sizeof(bf16), t.rows, cudaMemcpyDeviceToHost, s_));
+    CUDA_CHECK(cudaStreamSynchronize(s_));
+    std::vector<float> out(h.size());
+    for (size_t i = 0; i < h.size(); ++i) out[i] = bf16_to_f32(h[i]);
+    return out;
+  }
+
+  KvCache alloc_kv(int n_layers, int n_pages, int page_size, int n_kv_heads, int head_dim) override {
+    KvCache c;
+    c.page_size = page_size;
+    c.n_pages = n_pages;
+    const int64_t rows = int64_t{n_pages} * page_size, cols = int64_t{n_kv_heads} * head_dim;
+    for (int l = 0; l < n_layers; ++l) {
+      c.k.push_back(alloc(rows, cols));
+      c.v.push_back(alloc(rows, cols));
+      CUDA_CHECK(cudaMemsetAsync(c.k.back().data, 0, sizeof(bf16) * rows * cols, s_));
+      CUDA_CHECK(cudaMemsetAsync(c.v.back().data, 0, sizeof(bf16) * rows * cols, s_));
+    }
+    return c;
+  }
+
+  void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out) override {
+    require_bf16(table, "embedding table");
+    for (int32_t id : ids) {
+      check(id >= 0 && id < table.rows, "token id ", id, " is outside the vocabulary (0..", table.rows - 1, ")");
+    }
+    cuda::launch_embed(mat(table), stage(ids), mat(out), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void matmul(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) override {
+    require_bf16(x, "matmul input");
+    require_bf16(w, "matmul weight");
+    check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "cuda backend: matmul shape mismatch");
+    if (cuda::skinny_gemm_supported(mat(x), mat(w), mat(out))) {
+      cuda::launch_skinny_gemm(mat(x), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
+                               props_.multiProcessorCount, s_);
+      CUDA_CHECK_LAUNCH();
+      return;
+    }
+    lt_->run(mat(x), mat(w), mat(out));
+    if (bias) {
+      cuda::launch_add_bias(mat(out), static_cast<const bf16*>(bias->data), s_);
+      CUDA_CHECK_LAUNCH();
+    }
+  }
+
+  void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) override {
+    cuda::launch_rms_norm(mat(x), static_cast<const bf16*>(weight.data), eps, mat(out), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void add_rms_norm(Tensor& residual, const Tensor& delta, const Tensor& weight, float eps, Tensor& out) override {
+    cuda::launch_add_rms_norm(mat(residual), mat(delta), static_cast<const bf16*>(weight.data), eps, mat(out), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void head_norm_rope(Tensor& x, int n_heads, int head_dim, const Tensor* norm_weight, float eps,
+                      const std::vector<int32_t>& positions, const std::vector<float>& inv_freq) override {
+    check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
+    check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+    cuda::launch_head_norm_rope(mat(x), n_heads, head_dim,
+                                norm_weight ? static_cast<const bf16*>(norm_weight->data) : nullptr, eps,
+                                stage(positions), device_inv_freq(inv_freq), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void swiglu(const Tensor& gate_up, Tensor& out) override {
+    check(gate_up.cols == 2 * out.cols, "cuda backend: swiglu shape mismatch");
+    cuda::launch_swiglu(mat(gate_up), mat(out), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
+                const std::vector<int32_t>& slots) override {
+    for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
+    cuda::launch_kv_write(mat(k), mat(v), mat(k_cache), mat(v_cache), stage(slots), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                 const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
+                 const AttentionParams& p, Tensor& out) override {
+    check(p.head_dim % 8 == 0 && p.head_dim <= 256, "cuda backend: head_dim ", p.head_dim,
+          " is not supported (multiple of 8, <= 256)");
+    check(p.n_kv_heads > 0 && p.n_heads % p.n_kv_heads == 0, "cuda backend: heads do not form GQA groups");
+    std::vector<cuda::AttnRow> rows(static_cast<size_t>(q.rows));
+    std::vector<int32_t> tables;
+    int max_keys = 0;
+    for (const auto& seg : segments) {
+      const int n_table = (seg.n_keys + p.page_size - 1) / p.page_size;
+      const auto offset = static_cast<int32_t>(tables.size());
+      tables.insert(tables.end(), seg.page_table, seg.page_table + n_table);
+      for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; ++r) {
+        rows[r] = {positions[r], seg.n_keys, seg.causal ? 1 : 0, offset};
+      }
+      max_keys = std::max(max_keys, seg.n_keys);
+    }
+    if (tables.empty()) tables.push_back(0);
+    const cuda::AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
+    const int64_t ws = cuda::attention_workspace_bytes(static_cast<int>(q.rows), max_keys, shape);
+    float* workspace = static_cast<float*>(workspace_for(ws));
+    const auto* d_rows = static_cast<const cuda::AttnRow*>(ring_->put(rows.data(), rows.size() * sizeof(rows[0])));
+    cuda::launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows), max_keys,
+                           stage(tables), shape, workspace, mat(out), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) override {
+    for (int32_t r : rows) check(r >= 0 && r < src.rows, "cuda backend: gather row out of range");
+    cuda::launch_gather_rows(mat(src), stage(rows), mat(out), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  std::vector<int32_t> argmax_rows(const Tensor& x) override {
+    std::vector<int32_t> result;
+    for (int64_t r0 = 0; r0 < x.rows; r0 += kArgmaxCap) {
+      const int64_t n = std::min<int64_t>(kArgmaxCap, x.rows - r0);
+      Tensor part = x.slice_rows(r0, n);
+      auto* d_out = static_cast<int32_t*>(workspace_for(0, /*argmax=*/true));
+      cuda::launch_argmax(mat(part), d_out, s_);
+      CUDA_CHECK_LAUNCH();
+      CUDA_CHECK(cudaMemcpyAsync(argmax_host_, d_out, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s_));
+      CUDA_CHECK(cudaStreamSynchronize(s_));
+      result.insert(result.end(), argmax_host_, argmax_host_ + n);
+    }
+    return result;
+  }
+
+ private:
+  static constexpr int64_t kArgmaxCap = 4096;
+
+  const int32_t* stage(const std::vector<int32_t>& v) {
+    if (v.empty()) return nullptr;
+    return static_cast<const int32_t*>(ring_->put(v.data(), v.size() * sizeof(int32_t)));
+  }
+
+  // Grow-only device buffers; previous contents are dead once the stream moves on.
+  void* workspace_for(int64_t bytes, bool argmax = false) {
+    Tensor& buf = argmax ? argmax_buf_ : attn_ws_;
+    const int64_t need = argmax ? kArgmaxCap * 4 : bytes;
+    if (need == 0) return nullptr;
+    if (buf.empty() || buf.rows * 2 < need) buf = alloc((need + 1) / 2, 1);
+    return buf.data;
+  }
+
+  const float* device_inv_freq(const std::vector<float>& f) {
+    auto it = inv_freq_.find(f);
+    if (it != inv_freq_.end()) return it->second;
+    float* d = nullptr;
+    CUDA_CHECK(cudaMalloc(&d, f.size() * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(d, f.data(), f.size() * sizeof(float), cudaMemcpyHostToDevice));
+    inv_freq_.emplace(f, d);
+    return d;
+  }
+
+  cudaDeviceProp props_{};
+  std::shared_ptr<StreamOwner> owner_;
+  cudaStream_t s_ = nullptr;
+  std::unique_ptr<cuda::LtGemm> lt_;
+  std::unique_ptr<StagingRing> ring_;
+  std::map<std::vector<float>, float*> inv_freq_;
+  Tensor attn_ws_, argmax_buf_;
+  int32_t* argmax_host_ = nullptr;
+};
+
+}  // namespace
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+std::unique_ptr<Backend> make_cuda_backend() {
+  check(cuda_device_count() > 0, "no CUDA GPU is available (use --device cpu)");
+  return std::make_unique<CudaBackend>();
+}
+
+}  // namespace dflash

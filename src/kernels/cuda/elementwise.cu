@@ -1,0 +1,273 @@
+// Row-wise and element-wise kernels. Rounding follows Hugging Face's bf16
+// modules step by step (each torch op rounds its result to bf16), so that
+// outputs track transformers running the same checkpoint in bf16.
+#include <cuda_bf16.h>
+
+#include <cfloat>
+
+#include "kernels/cuda/launch.h"
+
+namespace dflash::cuda {
+namespace {
+
+using bf = __nv_bfloat16;
+
+__device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*reinterpret_cast<const bf*>(p)); }
+__device__ __forceinline__ void st(bf16* p, float v) { *reinterpret_cast<bf*>(p) = __float2bfloat16(v); }
+__device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024).
+__device__ float block_sum(float v) {
+  __shared__ float partial[32];
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int n_warps = blockDim.x / 32;
+  v = lane < n_warps ? partial[lane] : 0.0f;
+  v = warp_sum(v);
+  __syncthreads();  // partial[] may be reused by the next call
+  return v;
+}
+
+constexpr int kRowThreads = 256;
+
+__global__ void embed_kernel(const bf16* table, int64_t table_stride, const int32_t* ids, int64_t cols, bf16* out,
+                             int64_t out_stride) {
+  const int64_t r = blockIdx.x;
+  const bf16* src = table + ids[r] * table_stride;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) out[r * out_stride + i] = src[i];
+}
+
+__global__ void gather_kernel(const bf16* src, int64_t src_stride, const int32_t* rows, int64_t cols, bf16* out,
+                              int64_t out_stride) {
+  const int64_t r = blockIdx.x;
+  const bf16* s = src + rows[r] * src_stride;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) out[r * out_stride + i] = s[i];
+}
+
+__global__ void rms_norm_kernel(const bf16* x, int64_t x_stride, const bf16* w, float eps, int64_t cols, bf16* out,
+                                int64_t out_stride) {
+  const bf16* xr = x + blockIdx.x * x_stride;
+  bf16* o = out + blockIdx.x * out_stride;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    const float v = ld(xr + i);
+    ss += v * v;
+  }
+  const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * round_bf(ld(xr + i) * scale));
+}
+
+__global__ void add_rms_norm_kernel(bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
+                                    const bf16* w, float eps, int64_t cols, bf16* out, int64_t out_stride) {
+  bf16* r = res + blockIdx.x * res_stride;
+  const bf16* d = delta + blockIdx.x * delta_stride;
+  bf16* o = out + blockIdx.x * out_stride;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    const float v = round_bf(ld(r + i) + ld(d + i));
+    st(r + i, v);
+    ss += v * v;
+  }
+  const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
+  // Each thread re-reads only the elements it wrote above.
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * round_bf(ld(r + i) * scale));
+}
+
+// One warp per (row, head); lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ...
+constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
+
+__global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int head_dim, const bf16* norm_w,
+                                      float eps, const int32_t* positions, const float* inv_freq, int64_t n_items) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (item >= n_items) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = item / n_heads;
+  const int head = static_cast<int>(item % n_heads);
+  bf16* v = x + row * stride + static_cast<int64_t>(head) * head_dim;
+  const int half = head_dim / 2;
+  float a[kMaxPairsPerLane], b[kMaxPairsPerLane];
+  float ss = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kMaxPairsPerLane; ++p) {
+    const int i = lane + 32 * p;
+    a[p] = i < half ? ld(v + i) : 0.0f;
+    b[p] = i < half ? ld(v + i + half) : 0.0f;
+    ss += a[p] * a[p] + b[p] * b[p];
+  }
+  if (norm_w) {
+    const float scale = rsqrtf(warp_sum(ss) / static_cast<float>(head_dim) + eps);
+#pragma unroll
+    for (int p = 0; p < kMaxPairsPerLane; ++p) {
+      const int i = lane + 32 * p;
+      if (i >= half) continue;
+      a[p] = round_bf(ld(norm_w + i) * round_bf(a[p] * scale));
+      b[p] = round_bf(ld(norm_w + i + half) * round_bf(b[p] * scale));
+    }
+  }
+  const float pos = static_cast<float>(positions[row]);
+#pragma unroll
+  for (int p = 0; p < kMaxPairsPerLane; ++p) {
+    const int i = lane + 32 * p;
+    if (i >= half) continue;
+    float sn, cs;
+    sincosf(pos * inv_freq[i], &sn, &cs);
+    cs = round_bf(cs);
+    sn = round_bf(sn);
+    st(v + i, round_bf(a[p] * cs) + round_bf(-b[p] * sn));
+    st(v + i + half, round_bf(b[p] * cs) + round_bf(a[p] * sn));
+  }
+}
+
+__global__ void swiglu_kernel(const bf16* gu, int64_t gu_stride, int64_t n, bf16* out, int64_t out_stride) {
+  const int64_t r = blockIdx.y;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = ld(gu + r * gu_stride + i), u = ld(gu + r * gu_stride + n + i);
+    st(out + r * out_stride + i, round_bf(g / (1.0f + expf(-g))) * u);
+  }
+}
+
+__global__ void kv_write_kernel(const bf16* k, int64_t k_stride, const bf16* v, int64_t v_stride, int64_t cols,
+                                bf16* kc, int64_t kc_stride, bf16* vc, int64_t vc_stride, const int32_t* slots) {
+  const int64_t r = blockIdx.x, slot = slots[r];
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    kc[slot * kc_stride + i] = k[r * k_stride + i];
+    vc[slot * vc_stride + i] = v[r * v_stride + i];
+  }
+}
+
+__global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, int32_t* out) {
+  const bf16* row = x + blockIdx.x * stride;
+  float best = -FLT_MAX;
+  int64_t best_i = cols;  // NaN-only rows fall back to index 0 below
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    const float v = ld(row + i);
+    if (v > best || (v == best && i < best_i)) best = v, best_i = i;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+    if (ov > best || (ov == best && oi < best_i)) best = ov, best_i = oi;
+  }
+  __shared__ float sv[32];
+  __shared__ int64_t si[32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) sv[warp] = best, si[warp] = best_i;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w)
+      if (sv[w] > best || (sv[w] == best && si[w] < best_i)) best = sv[w], best_i = si[w];
+    out[blockIdx.x] = static_cast<int32_t>(best_i < cols ? best_i : 0);
+  }
+}
+
+__global__ void add_bias_kernel(bf16* out, int64_t stride, int64_t cols, const bf16* bias) {
+  const int64_t r = blockIdx.y;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    st(out + r * stride + i, ld(out + r * stride + i) + ld(bias + i));
+}
+
+__global__ void f32_to_bf16_kernel(const float* src, bf16* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    st(dst + i, src[i]);
+}
+
+__global__ void fill_random_kernel(bf16* dst, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i + 1);  // splitmix64
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    st(dst + i, (2.0f * u - 1.0f) * scale);
+  }
+}
+
+unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > cap ? cap : b));
+}
+
+}  // namespace
+
+void launch_embed(const Mat& table, const int32_t* ids, Mat out, cudaStream_t s) {
+  if (out.rows == 0) return;
+  embed_kernel<<<out.rows, kRowThreads, 0, s>>>(table.data, table.stride, ids, table.cols, out.data, out.stride);
+}
+
+void launch_gather_rows(const Mat& src, const int32_t* rows, Mat out, cudaStream_t s) {
+  if (out.rows == 0) return;
+  gather_kernel<<<out.rows, kRowThreads, 0, s>>>(src.data, src.stride, rows, src.cols, out.data, out.stride);
+}
+
+void launch_rms_norm(const Mat& x, const bf16* w, float eps, Mat out, cudaStream_t s) {
+  if (x.rows == 0) return;
+  rms_norm_kernel<<<x.rows, kRowThreads, 0, s>>>(x.data, x.stride, w, eps, x.cols, out.data, out.stride);
+}
+
+void launch_add_rms_norm(Mat residual, const Mat& delta, const bf16* w, float eps, Mat out, cudaStream_t s) {
+  if (residual.rows == 0) return;
+  add_rms_norm_kernel<<<residual.rows, kRowThreads, 0, s>>>(residual.data, residual.stride, delta.data, delta.stride, w,
+                                                            eps, residual.cols, out.data, out.stride);
+}
+
+void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
+                           const float* inv_freq, cudaStream_t s) {
+  const int64_t n_items = x.rows * n_heads;
+  if (n_items == 0) return;
+  constexpr int kWarps = 4;
+  head_norm_rope_kernel<<<static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, 0, s>>>(
+      x.data, x.stride, n_heads, head_dim, norm_w, eps, positions, inv_freq, n_items);
+}
+
+// Row-indexed grids put rows on gridDim.y (at most 65535 per launch).
+constexpr int64_t kMaxGridRows = 65535;
+
+void launch_swiglu(const Mat& gate_up, Mat out, cudaStream_t s) {
+  for (int64_t r0 = 0; r0 < out.rows; r0 += kMaxGridRows) {
+    const int64_t n = out.rows - r0 < kMaxGridRows ? out.rows - r0 : kMaxGridRows;
+    swiglu_kernel<<<dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, 0, s>>>(
+        gate_up.data + r0 * gate_up.stride, gate_up.stride, out.cols, out.data + r0 * out.stride, out.stride);
+  }
+}
+
+void launch_kv_write(const Mat& k, const Mat& v, Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s) {
+  if (k.rows == 0) return;
+  kv_write_kernel<<<k.rows, 128, 0, s>>>(k.data, k.stride, v.data, v.stride, k.cols, k_cache.data, k_cache.stride,
+                                         v_cache.data, v_cache.stride, slots);
+}
+
+void launch_argmax(const Mat& x, int32_t* out, cudaStream_t s) {
+  if (x.rows == 0) return;
+  argmax_kernel<<<x.rows, 1024, 0, s>>>(x.data, x.stride, x.cols, out);
+}
+
+void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s) {
+  for (int64_t r0 = 0; r0 < out.rows; r0 += kMaxGridRows) {
+    const int64_t n = out.rows - r0 < kMaxGridRows ? out.rows - r0 : kMaxGridRows;
+    add_bias_kernel<<<dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, 0, s>>>(
+        out.data + r0 * out.stride, out.stride, out.cols, bias);
+  }
+}
+
+void launch_f32_to_bf16(const float* src, bf16* dst, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  f32_to_bf16_kernel<<<grid_for(n, 256), 256, 0, s>>>(src, dst, n);
+}
+
+void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float scale, cudaStream_t s) {
+  if (n == 0) return;
+  fill_random_kernel<<<grid_for(n, 256), 256, 0, s>>>(dst, n, seed, scale);
+}
+
+}  // namespace dflash::cuda

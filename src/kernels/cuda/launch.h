@@ -1,0 +1,74 @@
+// The CUDA kernels behind CudaBackend, as plain launch functions. Every
+// activation is bfloat16 (stored as uint16_t here so that host code needs no
+// CUDA headers); arithmetic is float32. Matrices are row-major with a row
+// stride in elements. Launches are asynchronous on `stream`; integer arrays
+// (ids, positions, slots, page tables) are device pointers.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace dflash::cuda {
+
+using bf16 = uint16_t;
+
+struct Mat {          // a bf16 matrix view
+  bf16* data;
+  int64_t rows, cols, stride;
+};
+
+// out[r] = table[ids[r]]
+void launch_embed(const Mat& table, const int32_t* ids, Mat out, cudaStream_t s);
+// out = rmsnorm(x) * w  (x may alias out)
+void launch_rms_norm(const Mat& x, const bf16* w, float eps, Mat out, cudaStream_t s);
+// residual += delta (rounded to bf16); out = rmsnorm(residual) * w
+void launch_add_rms_norm(Mat residual, const Mat& delta, const bf16* w, float eps, Mat out, cudaStream_t s);
+// In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE.
+void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
+                           const float* inv_freq, cudaStream_t s);
+// out = silu(gate_up[:, :n]) * gate_up[:, n:], n = out.cols
+void launch_swiglu(const Mat& gate_up, Mat out, cudaStream_t s);
+// k_cache[slots[r]] = k[r]; v_cache[slots[r]] = v[r]
+void launch_kv_write(const Mat& k, const Mat& v, Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s);
+// out[i] = src[rows[i]]
+void launch_gather_rows(const Mat& src, const int32_t* rows, Mat out, cudaStream_t s);
+// out[r] = index of the largest element of row r (lowest index on ties)
+void launch_argmax(const Mat& x, int32_t* out, cudaStream_t s);
+// out += bias (broadcast over rows)
+void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s);
+// dst[i] = bf16(src[i]) for n contiguous floats
+void launch_f32_to_bf16(const float* src, bf16* dst, int64_t n, cudaStream_t s);
+// Fills n contiguous values with uniform random numbers in [-scale, scale).
+void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float scale, cudaStream_t s);
+
+// out = x * w^T (+ bias) for x.rows <= kSkinnyMaxRows, streaming w once with
+// tensor cores. Each output element is reduced in an order that depends only
+// on K, never on the number of rows, so a row's result is identical whether it
+// is computed alone or in a batch. Needs K % 8 == 0 and 16-byte aligned rows.
+constexpr int kSkinnyMaxRows = 32;
+bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out);
+void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s);
+
+// One query row's view of the paged cache.
+struct AttnRow {
+  int32_t position;    // query position
+  int32_t n_keys;      // keys 0..n_keys-1 of its sequence exist
+  int32_t causal;      // 1: keys <= position only
+  int32_t page_offset; // start of its sequence's page table in the page-table array
+};
+
+struct AttnShape {
+  int n_heads, n_kv_heads, head_dim, page_size, sliding_window;
+};
+
+// Keys per split of the KV length; a row's split count depends only on its own
+// visible keys, so its result does not depend on the batch it is in.
+constexpr int kAttnSplitKeys = 64;
+// Bytes of float workspace the attention needs for `n_rows` rows of at most `max_keys` keys.
+int64_t attention_workspace_bytes(int n_rows, int max_keys, const AttnShape& shape);
+void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
+                      int max_keys, const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
+                      cudaStream_t s);
+
+}  // namespace dflash::cuda

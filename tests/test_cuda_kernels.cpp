@@ -1,0 +1,237 @@
+// Every CUDA op against the CPU backend (the fp32 reference) on fresh random
+// inputs, in the spirit of llama.cpp's test-backend-ops. Inputs are rounded to
+// bf16 first so that both backends see the same values; GPU outputs are
+// poisoned (NaN) before each run, so an element left unwritten fails.
+// Bound: ||gpu - cpu|| / ||cpu|| <= 1e-2 (bf16 activations). Skipped without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "kernels/backend.h"
+#include "test_util.h"
+#include "util/dtype.h"
+
+namespace dflash {
+namespace {
+
+constexpr double kBound = 1e-2;
+
+std::vector<float> bf16_rounded(std::vector<float> v) {
+  for (auto& x : v) x = bf16_to_f32(f32_to_bf16(x));
+  return v;
+}
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA GPU here: GPU tests run on the device (scripts/device-test.sh)";
+    gpu = make_cuda_backend();
+    cpu = make_cpu_backend();
+    rng.seed(std::random_device{}());
+  }
+
+  // The same bf16-exact random matrix on both backends.
+  struct Pair {
+    Tensor c, g;
+    std::vector<float> host;
+  };
+  Pair random(int64_t rows, int64_t cols, float scale = 1.0f) {
+    Pair p;
+    p.host = bf16_rounded(test::random_vector(rng, static_cast<size_t>(rows * cols), scale));
+    p.c = cpu->upload_host(p.host.data(), rows, cols);
+    p.g = gpu->upload_host(p.host.data(), rows, cols);
+    return p;
+  }
+  Pair poisoned(int64_t rows, int64_t cols) {
+    Pair p;
+    p.host.assign(static_cast<size_t>(rows * cols), NAN);
+    p.c = cpu->alloc(rows, cols);
+    p.g = gpu->upload_host(p.host.data(), rows, cols);
+    return p;
+  }
+  void expect_close(const Pair& p, const std::string& what, double bound = kBound) {
+    const double err = test::rel_l2_error(gpu->to_host(p.g), cpu->to_host(p.c));
+    EXPECT_LE(err, bound) << what;
+  }
+
+  std::unique_ptr<Backend> gpu, cpu;
+  std::mt19937 rng;
+};
+
+TEST_F(CudaOps, MatmulMatchesCpuForSkinnyAndLargeShapes) {
+  const int64_t ms[] = {1, 3, 8, 16, 17, 32, 33, 100};
+  const int64_t shapes[][2] = {{1, 64}, {17, 136}, {256, 8}, {1000, 4096}, {333, 12}, {4096, 1000}};
+  for (int64_t m : ms) {
+    for (const auto& s : shapes) {
+      const int64_t n = s[0], k = s[1];
+      for (bool with_bias : {false, true}) {
+        auto x = random(m, k), w = random(n, k, 0.05f), b = random(1, n), out = poisoned(m, n);
+        cpu->matmul(x.c, w.c, with_bias ? &b.c : nullptr, out.c);
+        gpu->matmul(x.g, w.g, with_bias ? &b.g : nullptr, out.g);
+        expect_close(out, testing::PrintToString(std::vector<int64_t>{m, n, k, with_bias}));
+      }
+    }
+  }
+}
+
+// The basis of lossless speculative decoding on the GPU: a row's product is
+// bit-identical whether it is computed alone or among up to 32 rows.
+TEST_F(CudaOps, SkinnyMatmulRowsDoNotDependOnTheBatch) {
+  const int64_t n = 1000, k = 4096;
+  auto w = random(n, k, 0.05f);
+  for (int64_t m : {2, 9, 16, 32}) {
+    auto x = random(m, k);
+    Tensor all = gpu->alloc(m, n);
+    gpu->matmul(x.g, w.g, nullptr, all);
+    const std::vector<float> batched = gpu->to_host(all);
+    for (int64_t r : {int64_t{0}, m / 2, m - 1}) {
+      Tensor one = gpu->alloc(1, n);
+      gpu->matmul(x.g.slice_rows(r, 1), w.g, nullptr, one);
+      const std::vector<float> alone = gpu->to_host(one);
+      ASSERT_TRUE(std::equal(alone.begin(), alone.end(), batched.begin() + r * n)) << "m=" << m << " row " << r;
+    }
+  }
+}
+
+TEST_F(CudaOps, EmbedAndGatherRowsIntoAColumnSlice) {
+  auto table = random(300, 72);
+  std::vector<int32_t> ids(37);
+  for (auto& id : ids) id = static_cast<int32_t>(rng() % 300);
+  auto out = poisoned(37, 72);
+  cpu->embed(table.c, ids, out.c);
+  gpu->embed(table.g, ids, out.g);
+  expect_close(out, "embed");
+  Pair wide;  // the columns around the slice must keep their contents
+  std::vector<float> zeros(37 * 200, 0.0f);
+  wide.c = cpu->upload_host(zeros.data(), 37, 200);
+  wide.g = gpu->upload_host(zeros.data(), 37, 200);
+  std::vector<int32_t> rows(37);
+  for (auto& r : rows) r = static_cast<int32_t>(rng() % 37);
+  Tensor gc = wide.c.slice_cols(72, 72), gg = wide.g.slice_cols(72, 72);
+  cpu->gather_rows(out.c, rows, gc);
+  gpu->gather_rows(out.g, rows, gg);
+  expect_close(wide, "gather into columns 72..143");
+}
+
+TEST_F(CudaOps, RmsNormAndFusedResidualAdd) {
+  for (int64_t cols : {64, 384, 4096, 1000}) {
+    for (int64_t rows : {1, 5, 64}) {
+      auto x = random(rows, cols, 3.0f), w = random(1, cols), out = poisoned(rows, cols);
+      cpu->rms_norm(x.c, w.c, 1e-6f, out.c);
+      gpu->rms_norm(x.g, w.g, 1e-6f, out.g);
+      expect_close(out, "rms_norm cols=" + std::to_string(cols));
+      auto res = random(rows, cols), delta = random(rows, cols), out2 = poisoned(rows, cols);
+      cpu->add_rms_norm(res.c, delta.c, w.c, 1e-6f, out2.c);
+      gpu->add_rms_norm(res.g, delta.g, w.g, 1e-6f, out2.g);
+      expect_close(res, "add_rms_norm residual");
+      expect_close(out2, "add_rms_norm out");
+    }
+  }
+}
+
+TEST_F(CudaOps, HeadNormRopeOnAStridedSlice) {
+  for (int head_dim : {8, 24, 64, 128, 256}) {
+    for (bool with_norm : {false, true}) {
+      const int n_heads = 5, rows = 19;
+      const int64_t width = int64_t{n_heads} * head_dim + 40;  // q lives inside a wider qkv row
+      auto qkv = random(rows, width), nw = random(1, head_dim);
+      std::vector<int32_t> pos(rows);
+      for (auto& p : pos) p = static_cast<int32_t>(rng() % 40000);
+      std::vector<float> inv_freq(head_dim / 2);
+      for (int i = 0; i < head_dim / 2; ++i) inv_freq[i] = std::pow(1e6f, -2.0f * i / head_dim);
+      Tensor qc = qkv.c.slice_cols(8, int64_t{n_heads} * head_dim), qg = qkv.g.slice_cols(8, int64_t{n_heads} * head_dim);
+      cpu->head_norm_rope(qc, n_heads, head_dim, with_norm ? &nw.c : nullptr, 1e-6f, pos, inv_freq);
+      gpu->head_norm_rope(qg, n_heads, head_dim, with_norm ? &nw.g : nullptr, 1e-6f, pos, inv_freq);
+      expect_close(qkv, "head_norm_rope head_dim=" + std::to_string(head_dim));
+    }
+  }
+}
+
+TEST_F(CudaOps, SwiGlu) {
+  for (int64_t n : {7, 1024, 12288}) {
+    auto gu = random(9, 2 * n, 2.0f), out = poisoned(9, n);
+    cpu->swiglu(gu.c, out.c);
+    gpu->swiglu(gu.g, out.g);
+    expect_close(out, "swiglu n=" + std::to_string(n));
+  }
+}
+
+TEST_F(CudaOps, ArgmaxIsExactWithTiesToTheLowestIndex) {
+  for (int64_t cols : {5, 8192, 151936}) {
+    auto x = random(23, cols);
+    std::vector<float> host = x.host;
+    host[3 * cols + cols / 2] = host[3 * cols + cols / 3] = 100.0f;  // a tie in row 3
+    x.c = cpu->upload_host(host.data(), 23, cols);
+    x.g = gpu->upload_host(host.data(), 23, cols);
+    EXPECT_EQ(gpu->argmax_rows(x.g), cpu->argmax_rows(x.c)) << "cols=" << cols;
+  }
+}
+
+// Attention fixture: a paged cache with shuffled pages, filled through kv_write.
+struct AttnCase {
+  int n_heads, n_kv_heads, head_dim, page_size, window;
+};
+
+class CudaAttention : public CudaOps, public ::testing::WithParamInterface<AttnCase> {};
+
+TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
+  const AttnCase ac = GetParam();
+  const int kv_dim = ac.n_kv_heads * ac.head_dim, q_dim = ac.n_heads * ac.head_dim;
+  const int n_pages = 160;
+  std::vector<int32_t> perm(n_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  // Four sequences with disjoint page tables: (cached keys, new rows, causal).
+  struct Seq { int n_past, n_new; bool causal; };
+  const Seq seqs[] = {{700, 1, true}, {333, 16, true}, {129, 16, false}, {0, 200, true}, {63, 1, true}};
+  std::vector<std::vector<int32_t>> tables;
+  int next = 0;
+  for (const auto& s : seqs) {
+    const int n = (s.n_past + s.n_new + ac.page_size - 1) / ac.page_size;
+    tables.emplace_back(perm.begin() + next, perm.begin() + next + n);
+    next += n;
+  }
+  ASSERT_LE(next, n_pages);
+  KvCache cc = cpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+  KvCache cg = gpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+  std::vector<AttentionSegment> segs;
+  std::vector<int32_t> positions;
+  int rows = 0;
+  for (size_t i = 0; i < std::size(seqs); ++i) {
+    const auto& s = seqs[i];
+    const int n_keys = s.n_past + s.n_new;
+    std::vector<int32_t> slots;
+    for (int p = 0; p < n_keys; ++p) slots.push_back(tables[i][p / ac.page_size] * ac.page_size + p % ac.page_size);
+    auto k = random(n_keys, kv_dim), v = random(n_keys, kv_dim);
+    cpu->kv_write(k.c, v.c, cc.k[0], cc.v[0], slots);
+    gpu->kv_write(k.g, v.g, cg.k[0], cg.v[0], slots);
+    segs.push_back({rows, s.n_new, n_keys, tables[i].data(), s.causal});
+    for (int r = 0; r < s.n_new; ++r) positions.push_back(s.n_past + r);
+    rows += s.n_new;
+  }
+  auto q = random(rows, q_dim, 2.0f), out = poisoned(rows, q_dim);
+  const AttentionParams ap{ac.n_heads, ac.n_kv_heads, ac.head_dim, ac.window, ac.page_size};
+  cpu->attention(q.c, cc.k[0], cc.v[0], segs, positions, ap, out.c);
+  gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, out.g);
+  expect_close(out, "attention");
+
+  // A verification row equals the same query decoded alone at its position.
+  const int r = segs[1].first_row + 7;
+  const int n_keys = positions[r] + 1;
+  std::vector<AttentionSegment> alone{{0, 1, n_keys, tables[1].data(), true}};
+  Tensor one = gpu->alloc(1, q_dim);
+  gpu->attention(q.g.slice_rows(r, 1), cg.k[0], cg.v[0], alone, {positions[r]}, ap, one);
+  const auto a = gpu->to_host(one), b = gpu->to_host(out.g);
+  EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin() + int64_t{r} * q_dim)) << "verify row differs from decode";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
+                         ::testing::Values(AttnCase{32, 8, 128, 16, 0}, AttnCase{6, 2, 64, 16, 0},
+                                           AttnCase{4, 4, 24, 7, 0}, AttnCase{8, 1, 256, 32, 0},
+                                           AttnCase{16, 4, 128, 16, 100}));
+
+}  // namespace
+}  // namespace dflash

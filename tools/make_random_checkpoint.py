@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Writes a random-weight checkpoint in the Hugging Face layout, for benchmarks
+and numerics checks on the device (torch + safetensors; the GPU makes it fast).
+
+  qwen3-8b    Qwen3ForCausalLM of Qwen3-8B's shape: hidden 4096, 36 layers,
+              32/8 heads of 128, intermediate 12288, vocab 151936, untied lm_head
+  dflash-8b   a DFlash draft of z-lab/Qwen3-8B-DFlash-b16's shape: 5 layers of the
+              same dims, block 16, target_layer_ids [1, 9, 17, 25, 33], mask 151669
+
+Usage: make_random_checkpoint.py SHAPE OUT_DIR [--layers N] [--seed S]
+(--layers overrides the layer count, e.g. a few real-size layers for a logits check.)
+"""
+import argparse
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES = {
+    "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, ff=12288, vocab=151936),
+    "dflash-8b": dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, ff=12288, vocab=151936,
+                      target_layers=36, layer_ids=[1, 9, 17, 25, 33], mask=151669, block=16),
+}
+SHARD_BYTES = 4 << 30
+
+
+def config_for(name, s):
+    base = {
+        "hidden_size": s["hidden"], "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "intermediate_size": s["ff"],
+        "vocab_size": s["vocab"], "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu",
+        "max_position_embeddings": 40960, "attention_bias": False, "tie_word_embeddings": False,
+        "model_type": "qwen3", "torch_dtype": "bfloat16",
+    }
+    if name == "qwen3-8b":
+        base.update({"architectures": ["Qwen3ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151645,
+                     "use_sliding_window": False, "sliding_window": None})
+    else:
+        base.update({"architectures": ["DFlashDraftModel"], "block_size": s["block"],
+                     "num_target_layers": s["target_layers"],
+                     "dflash_config": {"mask_token_id": s["mask"], "target_layer_ids": s["layer_ids"]}})
+    return base
+
+
+def tensors(name, s, gen, device):
+    h, q, kv, ff = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["ff"]
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(torch.bfloat16).cpu()
+
+    def norm(n):
+        return (1.0 + torch.randn(n, generator=gen, device=device) * 0.1).to(torch.bfloat16).cpu()
+
+    prefix = "model." if name == "qwen3-8b" else ""
+    if name == "qwen3-8b":
+        yield "model.embed_tokens.weight", rnd(s["vocab"], h, std=1.0)
+    else:
+        yield "fc.weight", rnd(h, len(s["layer_ids"]) * h)
+        yield "hidden_norm.weight", norm(h)
+    for i in range(s["layers"]):
+        p = f"{prefix}layers.{i}."
+        yield p + "input_layernorm.weight", norm(h)
+        yield p + "self_attn.q_proj.weight", rnd(q, h)
+        yield p + "self_attn.k_proj.weight", rnd(kv, h)
+        yield p + "self_attn.v_proj.weight", rnd(kv, h)
+        yield p + "self_attn.o_proj.weight", rnd(h, q)
+        yield p + "self_attn.q_norm.weight", norm(s["head_dim"])
+        yield p + "self_attn.k_norm.weight", norm(s["head_dim"])
+        yield p + "post_attention_layernorm.weight", norm(h)
+        yield p + "mlp.gate_proj.weight", rnd(ff, h)
+        yield p + "mlp.up_proj.weight", rnd(ff, h)
+        yield p + "mlp.down_proj.weight", rnd(h, ff)
+    yield prefix + "norm.weight", norm(h)
+    if name == "qwen3-8b":
+        yield "lm_head.weight", rnd(s["vocab"], h)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    s = dict(SHAPES[a.shape])
+    if a.layers:
+        s["layers"] = a.layers
+        if a.shape == "dflash-8b":
+            s["layer_ids"] = [i for i in s["layer_ids"] if i < s["target_layers"]]
+    os.makedirs(a.out, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(a.seed)
+    shards, current, size = [], {}, 0
+    for key, t in tensors(a.shape, s, gen, device):
+        if current and size + t.numel() * 2 > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = t
+        size += t.numel() * 2
+    shards.append(current)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        save_file(shard, os.path.join(a.out, fname), metadata={"format": "pt"})
+        for k, t in shard.items():
+            weight_map[k] = fname
+            total += t.numel() * 2
+    if len(shards) > 1:
+        with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(a.out, "config.json"), "w") as f:
+        json.dump(config_for(a.shape, s), f, indent=2)
+    print(f"{a.out}: {a.shape}, {s['layers']} layers, {total / 1e9:.2f} GB in {len(shards)} file(s)")
+
+
+if __name__ == "__main__":
+    main()

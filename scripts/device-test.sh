@@ -31,6 +31,11 @@ out=${2:?usage: device-test.sh run OUT}
 mkdir -p "$out"
 steps=${STEPS:-tests logits bench}
 export LD_LIBRARY_PATH="$PWD/build-dev/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+# cuBLASLt comes from the machine: the CUDA toolkit, else the copy PyTorch ships.
+if ! ldconfig -p | grep -q libcublasLt.so.13 && [ ! -e /usr/local/cuda/lib64/libcublasLt.so.13 ]; then
+  nv=$(python3 -c "import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], 'lib'))" 2>/dev/null || true)
+  [ -n "$nv" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nv"
+fi
 export DFLASH_FIXTURES_DIR="$PWD/tests/fixtures" DFLASH_MODELS_DIR="$PWD/models"
 dflash=build-dev/dflash
 ckpt=${CKPT_DIR:-/tmp/dflash-ckpt}

@@ -18,6 +18,7 @@ if [ "$mode" = build ]; then
     -DDFLASH_CUDA_ARCHITECTURES="${DFLASH_CUDA_ARCHITECTURES:-90a}" \
     -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc"
   cmake --build build-dev -j "$(nproc)" --target dflash dflash_tests
+  strip build-dev/dflash build-dev/tests/dflash_tests  # the device call carries at most 64 MiB with the tree
   mkdir -p build-dev/lib
   for lib in $(ldd build-dev/dflash build-dev/tests/dflash_tests | awk '/pcre2|utf8proc|gomp/ {print $3}' | sort -u); do
     cp -L "$lib" build-dev/lib/

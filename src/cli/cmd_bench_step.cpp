@@ -17,9 +17,14 @@ namespace {
 
 nlohmann::json to_json(const StepBenchReport& rep, const StepBenchOptions& o) {
   nlohmann::json rows = nlohmann::json::array();
+  for (const auto& k : rep.kernels) {
+    rows.push_back({{"device", rep.device}, {"model", rep.model}, {"mode", "kernel"}, {"kernel", k.name},
+                    {"batch", k.rows}, {"context", k.context}, {"us", k.us}, {"bytes", k.bytes},
+                    {"gb_per_s", k.gb_per_s}, {"copy_gbps", rep.copy_gbps}});
+  }
   for (const auto& r : rep.rows) {
     rows.push_back({{"device", rep.device}, {"model", rep.model}, {"draft", rep.draft}, {"mode", r.mode},
-                    {"batch", r.batch}, {"context", r.context}, {"ms_per_step", r.ms_per_step},
+                    {"batch", r.batch}, {"context", r.context}, {"ms_per_step", r.ms_per_step}, {"ms_per_step_eager", r.ms_per_step_eager},
                     {"floor_ms", r.floor_ms}, {"fraction_of_floor", r.fraction_of_floor}, {"gb_per_s", r.gb_per_s},
                     {"bytes_per_step", r.bytes_per_step}, {"copy_gbps", rep.copy_gbps},
                     {"device_bytes_other", r.device_bytes_other}, {"page_size", o.page_size},
@@ -47,6 +52,7 @@ Command add_bench_step(CLI::App& app) {
   app.add_option("--leak-check-steps", o->leak_check_steps, "plain steps watched for device-memory growth (0: skip)")
       ->check(CLI::Range(0, 1000000));
   app.add_option("--json", *json_path, "write the rows as a JSON list to this file");
+  app.add_flag("!--skip-kernels", o->kernels, "do not time the GEMMs and the decode attention alone");
   return [o, json_path] {
     if (o->model_dir.empty()) {
       o->model_dir = bundled_model_dir(kBundledTarget);
@@ -57,11 +63,18 @@ Command add_bench_step(CLI::App& app) {
     std::printf("model: %s%s%s; weights %.2f GB; load %.1f s, peak host RSS %.2f GB\n", rep.model.c_str(),
                 rep.draft.empty() ? "" : " + ", rep.draft.c_str(), rep.weight_bytes / 1e9, rep.load_s,
                 rep.peak_rss_bytes / 1e9);
-    std::printf("%-7s %6s %8s %10s %10s %9s %9s %12s\n", "mode", "batch", "context", "ms/step", "floor_ms", "GB/s",
-                "fraction", "other_MiB");
+    if (!rep.kernels.empty()) {
+      std::printf("%-30s %6s %8s %10s %10s %9s\n", "kernel", "rows", "context", "us", "MB read", "GB/s");
+      for (const auto& k : rep.kernels) {
+        std::printf("%-30s %6d %8d %10.1f %10.1f %9.0f\n", k.name.c_str(), k.rows, k.context, k.us, k.bytes / 1e6,
+                    k.gb_per_s);
+      }
+    }
+    std::printf("%-7s %6s %8s %10s %10s %10s %9s %9s %12s\n", "mode", "batch", "context", "ms/step", "eager_ms",
+                "floor_ms", "GB/s", "fraction", "other_MiB");
     for (const auto& r : rep.rows) {
-      std::printf("%-7s %6d %8d %10.3f %10.3f %9.0f %9.3f %12.1f\n", r.mode.c_str(), r.batch, r.context,
-                  r.ms_per_step, r.floor_ms, r.gb_per_s, r.fraction_of_floor,
+      std::printf("%-7s %6d %8d %10.3f %10.3f %10.3f %9.0f %9.3f %12.1f\n", r.mode.c_str(), r.batch, r.context,
+                  r.ms_per_step, r.ms_per_step_eager, r.floor_ms, r.gb_per_s, r.fraction_of_floor,
                   r.device_bytes_other >= 0 ? r.device_bytes_other / 1048576.0 : -1.0);
     }
     if (rep.leak_check_growth_bytes >= 0) {

@@ -36,7 +36,8 @@ static void check_fits(Backend& be, const std::string& model_dir, const std::str
   int64_t need = 0;
   for (const auto& dir : {model_dir, draft_dir}) {
     if (dir.empty()) continue;
-    for (const auto& t : TensorStore::open(dir).all()) need += 2 * t.n_elements();
+    const TensorStore store = TensorStore::open(dir);
+    for (const auto& t : store.all()) need += 2 * t.n_elements();
   }
   check(need < free_bytes, "the model does not fit: its weights need ", need / (1 << 20), " MiB in bf16, the GPU has ",
         free_bytes / (1 << 20), " MiB free of ", total_bytes / (1 << 20), " MiB");

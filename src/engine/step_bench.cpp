@@ -62,6 +62,66 @@ struct Batch {
   int n_pages() const { return static_cast<int>(tables.size() * tables[0].size()); }
 };
 
+template <typename Step>
+double time_median_ms(Backend& be, int warmup, int iters, Step&& step) {
+  for (int i = 0; i < warmup; ++i) step();
+  be.synchronize();
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    const auto s = Clock::now();
+    step();
+    be.synchronize();
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
+  }
+  return median_ms(ms);
+}
+
+// Times `op` alone: 20 back-to-back calls per timed run (one graph replay where available).
+template <typename Op>
+double kernel_us(Backend& be, Op&& op) {
+  constexpr int kCalls = 20;
+  auto run = [&] {
+    for (int i = 0; i < kCalls; ++i) op();
+  };
+  if (!be.supports_graphs()) return time_median_ms(be, 1, 5, run) * 1e3 / kCalls;
+  auto g = be.capture_graph(run);
+  return time_median_ms(be, 2, 10, [&] { be.replay_graph(g); }) * 1e3 / kCalls;
+}
+
+void bench_kernels(Backend& be, TargetModel& target, int page_size, StepBenchReport& rep) {
+  const ModelConfig& c = target.config();
+  const LayerWeights& l0 = target.weights().layers[0];
+  const std::pair<const char*, const Tensor*> weights[] = {
+      {"qkv", &l0.qkv}, {"o", &l0.o}, {"gate_up", &l0.gate_up}, {"down", &l0.down}, {"lm_head", &target.weights().lm_head}};
+  for (int m : {1, 16, 128}) {
+    for (const auto& [name, w] : weights) {
+      Tensor x = be.alloc(m, w->cols), out = be.alloc(m, w->rows);
+      be.fill_random(x, 7, 1.0f);
+      KernelBenchRow r{std::string("matmul ") + name, m, 0, 0, 0, tensor_bytes(*w)};
+      r.us = kernel_us(be, [&] { be.matmul(x, *w, nullptr, out); });
+      r.gb_per_s = static_cast<double>(r.bytes) / (r.us * 1e-6) / 1e9;
+      rep.kernels.push_back(r);
+    }
+  }
+  const int64_t q_dim = int64_t{c.n_heads} * c.head_dim;
+  for (int ctx : {512, 2048}) {
+    Batch bt(1, ctx + 1, page_size);
+    KvCache cache = target.alloc_cache(bt.n_pages(), page_size);
+    be.fill_random(cache.k[0], 11, 1.0f);
+    be.fill_random(cache.v[0], 12, 1.0f);
+    ForwardBatch b(page_size);
+    b.add_sequence({0}, ctx, bt.tables[0]);
+    Tensor q = be.alloc(1, q_dim), out = be.alloc(1, q_dim);
+    be.fill_random(q, 13, 1.0f);
+    const AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, 0, page_size};
+    KernelBenchRow r{"attention decode (one layer)", 1, ctx, 0, 0,
+                     kv_read_bytes(c, ctx + 1, cache.k[0].dtype) / c.n_layers};
+    r.us = kernel_us(be, [&] { be.attention(q, cache.k[0], cache.v[0], b.segments, b.positions, ap, out); });
+    r.gb_per_s = static_cast<double>(r.bytes) / (r.us * 1e-6) / 1e9;
+    rep.kernels.push_back(r);
+  }
+}
+
 }  // namespace
 
 StepBenchReport run_step_bench(const StepBenchOptions& o) {
@@ -94,6 +154,7 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
   rep.weight_bytes = target.weight_bytes_per_step() + (draft ? draft->weight_bytes_per_step() : 0);
   const int64_t weights_resident = device_used(*be) - used_before;
 
+  if (o.kernels) bench_kernels(*be, target, o.page_size, rep);
   std::vector<int> layer_ids = draft ? draft->config().target_layer_ids : std::vector<int>{};
   for (int ctx : o.contexts) {
     check(ctx + B < tc.max_positions, "bench-step: context ", ctx, " + block ", B, " exceeds the model's ",
@@ -117,24 +178,14 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       const int64_t kv_resident = kv_bytes(tcache) + kv_bytes(dcache);
       const DType kv_dtype = tcache.k[0].dtype;
 
-      auto time_steps = [&](auto&& step) {
-        for (int i = 0; i < o.warmup; ++i) step();
-        be->synchronize();
-        std::vector<double> ms;
-        for (int i = 0; i < o.iters; ++i) {
-          const auto s = Clock::now();
-          step();
-          be->synchronize();
-          ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
-        }
-        return median_ms(ms);
-      };
-      auto add_row = [&](const std::string& mode, double ms, int64_t bytes) {
+      auto time_steps = [&](auto&& step) { return time_median_ms(*be, o.warmup, o.iters, step); };
+      auto add_row = [&](const std::string& mode, double ms, double ms_eager, int64_t bytes) {
         StepBenchRow r;
         r.mode = mode;
         r.batch = batch;
         r.context = ctx;
         r.ms_per_step = ms;
+        r.ms_per_step_eager = ms_eager;
         r.bytes_per_step = bytes;
         r.floor_ms = static_cast<double>(bytes) / (rep.copy_gbps * 1e9) * 1e3;
         r.fraction_of_floor = r.floor_ms / ms;
@@ -148,8 +199,18 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       ForwardBatch plain(o.page_size);
       for (int b = 0; b < batch; ++b) plain.add_sequence({static_cast<int32_t>(b % tc.n_vocab)}, ctx, bt.tables[b]);
       for (int r = 0; r < batch; ++r) plain.logit_rows.push_back(r);
-      const double plain_ms = time_steps([&] { be->argmax_rows(target.forward(plain, tcache).logits); });
-      add_row("plain", plain_ms, target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype));
+      const double plain_eager = time_steps([&] { be->argmax_rows(target.forward(plain, tcache).logits); });
+      double plain_ms = plain_eager;
+      if (be->supports_graphs()) {
+        Tensor logits;
+        auto g = be->capture_graph([&] { logits = target.forward(plain, tcache).logits; });
+        plain_ms = time_steps([&] {
+          be->replay_graph(g);
+          be->argmax_rows(logits);
+        });
+      }
+      add_row("plain", plain_ms, plain_eager,
+              target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype));
 
       if (!draft) continue;
       // DFlash: draft block [t, M..M] (bidirectional), verify B tokens with feature
@@ -165,16 +226,33 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         for (int i = 0; i < B; ++i) verify.logit_rows.push_back(vfirst + i);
         project.add_sequence(std::vector<int32_t>(static_cast<size_t>(B), 0), ctx, bt.tables[b]);
       }
-      const double dflash_ms = time_steps([&] {
+      const double dflash_eager = time_steps([&] {
         be->argmax_rows(draft->forward_block(dblock, dcache));
         auto out = target.forward(verify, tcache, layer_ids);
         be->argmax_rows(out.logits);
         draft->project_context(out.captured, project, dcache);
       });
+      double dflash_ms = dflash_eager;
+      if (be->supports_graphs()) {
+        // Two graphs with the drafted tokens' argmax between them, as the decoder runs today.
+        Tensor draft_logits, verify_logits;
+        auto g_draft = be->capture_graph([&] { draft_logits = draft->forward_block(dblock, dcache); });
+        auto g_verify = be->capture_graph([&] {
+          auto out = target.forward(verify, tcache, layer_ids);
+          verify_logits = out.logits;
+          draft->project_context(out.captured, project, dcache);
+        });
+        dflash_ms = time_steps([&] {
+          be->replay_graph(g_draft);
+          be->argmax_rows(draft_logits);
+          be->replay_graph(g_verify);
+          be->argmax_rows(verify_logits);
+        });
+      }
       const int64_t dflash_bytes = target.weight_bytes_per_step() + draft->weight_bytes_per_step() +
                                    batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +
                                             kv_read_bytes(dc.layers, ctx + B, kv_dtype));
-      add_row("dflash", dflash_ms, dflash_bytes);
+      add_row("dflash", dflash_ms, dflash_eager, dflash_bytes);
     }
   }
 

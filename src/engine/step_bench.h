@@ -19,14 +19,25 @@ struct StepBenchOptions {
   int block_size = 0;  // 0: the draft's
   int warmup = 5, iters = 30;
   int leak_check_steps = 1000;  // plain batch-1 steps watched for device-memory growth (0: skip)
+  bool kernels = true;          // also time the target's GEMMs and decode attention alone
 };
 
 struct StepBenchRow {
   std::string mode;  // "plain" or "dflash"
   int batch = 0, context = 0;
   double ms_per_step = 0, floor_ms = 0, fraction_of_floor = 0, gb_per_s = 0;
+  double ms_per_step_eager = 0;  // the same step launched op by op (ms_per_step: CUDA-graph replays where available)
   int64_t bytes_per_step = 0;  // weights + KV the step must read
   int64_t device_bytes_other = -1;  // device memory beyond weights and KV pages at this row (-1: unknown)
+};
+
+// One kernel timed alone (graph replays of 20 back-to-back calls where available).
+struct KernelBenchRow {
+  std::string name;  // e.g. "matmul gate_up" or "attention decode"
+  int rows = 0;      // activation rows (tokens)
+  int context = 0;   // attention only
+  double us = 0, gb_per_s = 0;
+  int64_t bytes = 0;  // weight (or KV) bytes it must read
 };
 
 struct StepBenchReport {
@@ -37,6 +48,7 @@ struct StepBenchReport {
   int64_t weight_bytes = 0;          // target (+ draft) weights on the device
   int64_t leak_check_growth_bytes = -1;  // device memory growth over leak_check_steps steps
   std::vector<StepBenchRow> rows;
+  std::vector<KernelBenchRow> kernels;
 };
 
 StepBenchReport run_step_bench(const StepBenchOptions& opts);

@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <stdexcept>
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,6 +54,15 @@ class Backend {
   virtual std::string name() const = 0;
   // Free and total device memory; false when the backend has no such limit (CPU).
   virtual bool memory_info(int64_t& free_bytes, int64_t& total_bytes) { return false; }
+  // CUDA graphs: the operations `body` issues are recorded, not run, and
+  // replay_graph runs them again with the same inputs and addresses (temporaries
+  // of a capture come from an arena shared by all graphs, so a graph's outputs
+  // are valid until the next replay of any graph). Not all backends have them.
+  virtual bool supports_graphs() const { return false; }
+  virtual std::shared_ptr<void> capture_graph(const std::function<void()>& body) {
+    throw std::logic_error("this backend has no graphs");
+  }
+  virtual void replay_graph(const std::shared_ptr<void>& graph) {}
   // Waits until every queued operation has finished (for timing).
   virtual void synchronize() {}
   // Returns memory cached by the allocator but unused to the device (memory reports).

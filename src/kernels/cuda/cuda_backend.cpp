@@ -4,6 +4,7 @@
 // pinned staging ring, so an upload never waits for the GPU unless the ring wraps.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -33,9 +34,10 @@ struct StreamOwner {
 
 class StagingRing {
  public:
-  explicit StagingRing(cudaStream_t s) : stream_(s) {
-    CUDA_CHECK(cudaMallocHost(&host_, kSize));
-    CUDA_CHECK(cudaMalloc(&device_, kSize));
+  // may_wrap = false: a graph's ring; its copies are replayed, so nothing is ever overwritten.
+  StagingRing(cudaStream_t s, size_t size, bool may_wrap) : stream_(s), size_(size), may_wrap_(may_wrap) {
+    CUDA_CHECK(cudaMallocHost(&host_, size_));
+    CUDA_CHECK(cudaMalloc(&device_, size_));
   }
   ~StagingRing() {
     cudaFreeHost(host_);
@@ -45,10 +47,12 @@ class StagingRing {
   // which waits for the stream, i.e. for every kernel that used the old contents.
   void* put(const void* data, size_t bytes) {
     const size_t need = (bytes + 255) / 256 * 256;
-    check(need <= kSize / 4, "batch metadata of ", bytes, " bytes exceeds the staging ring");
-    if (offset_ + need > kSize) {
+    check(need <= size_ / 4 || (!may_wrap_ && offset_ + need <= size_), "batch metadata of ", bytes,
+          " bytes exceeds the staging ring");
+    if (offset_ + need > size_) {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       offset_ = 0;
+      ++n_wraps_;
     }
     char* h = static_cast<char*>(host_) + offset_;
     char* d = static_cast<char*>(device_) + offset_;
@@ -58,12 +62,25 @@ class StagingRing {
     return d;
   }
 
+  uint64_t n_wraps() const { return n_wraps_; }
+
  private:
-  static constexpr size_t kSize = size_t{32} << 20;
   cudaStream_t stream_;
+  size_t size_;
+  bool may_wrap_;
   void* host_ = nullptr;
   void* device_ = nullptr;
   size_t offset_ = 0;
+  uint64_t n_wraps_ = 0;
+};
+
+// An instantiated graph and the ring its metadata copies read from on every replay.
+struct CudaGraph {
+  cudaGraphExec_t exec = nullptr;
+  std::shared_ptr<StagingRing> ring;
+  ~CudaGraph() {
+    if (exec) cudaGraphExecDestroy(exec);
+  }
 };
 
 class CudaBackend final : public Backend {
@@ -78,13 +95,57 @@ class CudaBackend final : public Backend {
     uint64_t keep = UINT64_MAX;  // keep freed blocks for reuse instead of returning them at each sync
     CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
     lt_ = std::make_unique<cuda::LtGemm>(s_);
-    ring_ = std::make_unique<StagingRing>(s_);
+    ring_ = std::make_shared<StagingRing>(s_, size_t{32} << 20, true);
+    active_ring_ = ring_.get();
     CUDA_CHECK(cudaMallocHost(&argmax_host_, sizeof(int32_t) * kArgmaxCap));
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(s_);
     for (auto& [k, p] : inv_freq_) cudaFree(p);
     cudaFreeHost(argmax_host_);
+  }
+
+  bool supports_graphs() const override { return true; }
+
+  std::shared_ptr<void> capture_graph(const std::function<void()>& body) override {
+    check(!capturing_, "cuda backend: graph captures cannot nest");
+    if (!arena_) {
+      arena_size_ = size_t{1} << 30;
+      CUDA_CHECK(cudaMalloc(&arena_, arena_size_));
+    }
+    auto g = std::make_shared<CudaGraph>();
+    g->ring = std::make_shared<StagingRing>(s_, size_t{4} << 20, false);
+    synchronize();
+    active_ring_ = g->ring.get();
+    recent_.clear();
+    capturing_ = true;
+    arena_offset_ = 0;
+    capture_ws_ = nullptr;
+    capture_ws_bytes_ = 0;
+    CUDA_CHECK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeRelaxed));
+    cudaGraph_t graph = nullptr;
+    try {
+      body();
+    } catch (...) {
+      cudaStreamEndCapture(s_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      capturing_ = false;
+      active_ring_ = ring_.get();
+      recent_.clear();
+      throw;
+    }
+    capturing_ = false;
+    active_ring_ = ring_.get();
+    recent_.clear();
+    CUDA_CHECK(cudaStreamEndCapture(s_, &graph));
+    const cudaError_t err = cudaGraphInstantiate(&g->exec, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_CHECK(err);
+    return g;
+  }
+
+  void replay_graph(const std::shared_ptr<void>& graph) override {
+    CUDA_CHECK(cudaGraphLaunch(static_cast<CudaGraph*>(graph.get())->exec, s_));
   }
 
   std::string name() const override { return std::string("cuda (") + props_.name + ")"; }
@@ -138,6 +199,7 @@ class CudaBackend final : public Backend {
   Tensor alloc(int64_t rows, int64_t cols) override {
     check(rows >= 0 && cols >= 0, "cuda backend: negative tensor size");
     const size_t bytes = sizeof(bf16) * static_cast<size_t>(std::max<int64_t>(rows * cols, 1));
+    if (capturing_) return arena_tensor(rows, cols, bytes);
     void* p = nullptr;
     const cudaError_t err = cudaMallocAsync(&p, bytes, s_);
     if (err != cudaSuccess) {
@@ -301,7 +363,8 @@ class CudaBackend final : public Backend {
     const cuda::AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
     const int64_t ws = cuda::attention_workspace_bytes(static_cast<int>(q.rows), max_keys, shape);
     float* workspace = static_cast<float*>(workspace_for(ws));
-    const auto* d_rows = static_cast<const cuda::AttnRow*>(ring_->put(rows.data(), rows.size() * sizeof(rows[0])));
+    const auto* d_rows =
+        static_cast<const cuda::AttnRow*>(active_ring_->put(rows.data(), rows.size() * sizeof(rows[0])));
     cuda::launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows), max_keys,
                            stage(tables), shape, workspace, mat(out), s_);
     CUDA_CHECK_LAUNCH();
@@ -333,14 +396,50 @@ class CudaBackend final : public Backend {
 
   const int32_t* stage(const std::vector<int32_t>& v) {
     if (v.empty()) return nullptr;
-    return static_cast<const int32_t*>(ring_->put(v.data(), v.size() * sizeof(int32_t)));
+    if (active_ring_->n_wraps() != recent_wraps_) {
+      recent_.clear();
+      recent_wraps_ = active_ring_->n_wraps();
+    }
+    for (const auto& [host, dev] : recent_)
+      if (host == v) return dev;
+    const auto* d = static_cast<const int32_t*>(active_ring_->put(v.data(), v.size() * sizeof(int32_t)));
+    if (active_ring_->n_wraps() != recent_wraps_) {  // this put wrapped: older entries are gone
+      recent_.clear();
+      recent_wraps_ = active_ring_->n_wraps();
+    }
+    if (recent_.size() >= 8) recent_.erase(recent_.begin());
+    recent_.emplace_back(v, d);
+    return d;
+  }
+
+  Tensor arena_tensor(int64_t rows, int64_t cols, size_t bytes) {
+    const size_t need = (bytes + 255) / 256 * 256;
+    check(arena_offset_ + need <= arena_size_, "a CUDA graph needs more than the ", arena_size_ >> 20,
+          " MiB of its temporary arena");
+    Tensor t;
+    t.data = static_cast<char*>(arena_) + arena_offset_;
+    t.storage = std::shared_ptr<void>(t.data, [](void*) {});  // the arena lives as long as the backend
+    t.dtype = DType::BF16;
+    t.rows = rows;
+    t.cols = cols;
+    t.stride = cols;
+    arena_offset_ += need;
+    return t;
   }
 
   // Grow-only device buffers; previous contents are dead once the stream moves on.
+  // Inside a capture, a fresh piece of the arena (graphs keep their own addresses).
   void* workspace_for(int64_t bytes, bool argmax = false) {
     Tensor& buf = argmax ? argmax_buf_ : attn_ws_;
     const int64_t need = argmax ? kArgmaxCap * 4 : bytes;
     if (need == 0) return nullptr;
+    if (capturing_) {  // one piece per capture, grown when a later call needs more
+      if (capture_ws_bytes_ < need) {
+        capture_ws_ = arena_tensor(1, 1, static_cast<size_t>(need)).data;
+        capture_ws_bytes_ = need;
+      }
+      return capture_ws_;
+    }
     if (buf.empty() || buf.rows * 2 < need) buf = alloc((need + 1) / 2, 1);
     return buf.data;
   }
@@ -359,7 +458,18 @@ class CudaBackend final : public Backend {
   std::shared_ptr<StreamOwner> owner_;
   cudaStream_t s_ = nullptr;
   std::unique_ptr<cuda::LtGemm> lt_;
-  std::unique_ptr<StagingRing> ring_;
+  std::shared_ptr<StagingRing> ring_;
+  StagingRing* active_ring_ = nullptr;  // ring_, or the ring of the graph being captured
+  // Recent uploads (contents -> device copy) of the active ring, valid until it wraps:
+  // the positions and slots every layer passes are copied once per forward.
+  std::vector<std::pair<std::vector<int32_t>, const int32_t*>> recent_;
+  uint64_t recent_wraps_ = 0;
+  // Graph capture: temporaries come from a bump arena so that replays reuse their addresses.
+  void* arena_ = nullptr;
+  size_t arena_size_ = 0, arena_offset_ = 0;
+  bool capturing_ = false;
+  void* capture_ws_ = nullptr;
+  int64_t capture_ws_bytes_ = 0;
   std::map<std::vector<float>, float*> inv_freq_;
   Tensor attn_ws_, argmax_buf_;
   int32_t* argmax_host_ = nullptr;

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "cli/commands.h"
-#include "kernels/backend.h"
+#include "engine/model_set.h"
 #include "model/target_model.h"
 #include "util/error.h"
 
@@ -23,8 +23,7 @@ Command add_logits(CLI::App& app) {
   app.add_option("--out", a->out, "output file (float32, one row of vocab logits per token)")->required();
   app.add_option("--device", a->device, "cpu, cuda or auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   return [a] {
-    auto be = a->device == "cpu" || (a->device == "auto" && cuda_device_count() == 0) ? make_cpu_backend()
-                                                                                     : make_cuda_backend();
+    auto be = make_backend(a->device);
     TargetModel m(*be, a->model);
     const ModelConfig& c = m.config();
     const auto n = static_cast<int64_t>(a->ids.size());

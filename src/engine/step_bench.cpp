@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "engine/model_set.h"
 #include "kernels/backend.h"
 #include "model/dflash_draft.h"
 #include "model/target_model.h"
@@ -130,10 +131,7 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
   for (int c : o.contexts) check(c >= 1, "bench-step: context ", c, " must be positive");
   check(o.iters >= 1 && o.warmup >= 0, "bench-step: iterations must be positive");
   StepBenchReport rep;
-  std::unique_ptr<Backend> be;
-  if (o.device == "cpu") be = make_cpu_backend();
-  else if (o.device == "cuda" || (o.device == "auto" && cuda_device_count() > 0)) be = make_cuda_backend();
-  else be = make_cpu_backend();
+  std::unique_ptr<Backend> be = make_backend(o.device);
   rep.device = be->name();
   rep.model = o.model_dir;
   rep.draft = o.draft_dir;

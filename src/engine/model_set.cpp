@@ -1,0 +1,58 @@
+#include "engine/model_set.h"
+
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+
+namespace dflash {
+
+std::unique_ptr<Backend> make_backend(const std::string& device) {
+  if (device == "cpu") return make_cpu_backend();
+  if (device == "cuda") return make_cuda_backend();
+  if (device == "auto") return cuda_device_count() > 0 ? make_cuda_backend() : make_cpu_backend();
+  throw Error(cat("unknown device '", device, "' (expected cpu, cuda or auto)"));
+}
+
+namespace {
+
+// Refuses checkpoints whose bf16 weights cannot fit in the device's free memory.
+void check_fits(Backend& be, const std::string& model_dir, const std::string& draft_dir) {
+  int64_t free_bytes = 0, total_bytes = 0;
+  if (!be.memory_info(free_bytes, total_bytes)) return;
+  int64_t need = 0;
+  for (const auto& dir : {model_dir, draft_dir}) {
+    if (dir.empty()) continue;
+    const TensorStore store = TensorStore::open(dir);
+    for (const auto& t : store.all()) need += 2 * t.n_elements();
+  }
+  check(need < free_bytes, "the model does not fit: its weights need ", need / (1 << 20), " MiB in bf16, the GPU has ",
+        free_bytes / (1 << 20), " MiB free of ", total_bytes / (1 << 20), " MiB");
+}
+
+std::vector<int32_t> default_eos(const std::string& model_dir) {
+  const GenerationConfig gen = load_generation_config(model_dir);
+  if (!gen.eos_token_ids.empty()) return gen.eos_token_ids;
+  const auto j = load_config_json(model_dir);
+  if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) return {};
+  return parse_generation_config(nlohmann::json{{"eos_token_id", j["eos_token_id"]}}, model_dir + "/config.json")
+      .eos_token_ids;
+}
+
+}  // namespace
+
+ModelSet::ModelSet(const EngineOptions& opts) {
+  check(!opts.model_dir.empty(), "no model directory given");
+  check(opts.page_size > 0 && opts.page_size <= 4096, "page size must be in 1..4096, got ", opts.page_size);
+  page_size = opts.page_size;
+  be = make_backend(opts.device);
+  check_fits(*be, opts.model_dir, opts.draft_dir);
+  target = std::make_unique<TargetModel>(*be, opts.model_dir);
+  eos_ids = default_eos(opts.model_dir);
+  if (!opts.draft_dir.empty()) {
+    draft = std::make_unique<DraftModel>(*be, opts.draft_dir, *target);
+    block_size = opts.block_size > 0 ? opts.block_size : draft->config().block_size;
+    check(block_size >= 2 && block_size <= 256, "block size must be in 2..256, got ", block_size);
+  }
+}
+
+}  // namespace dflash

@@ -1,0 +1,120 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "util/error.h"
+
+namespace dflash {
+
+Scheduler::Scheduler(int n_pages, int page_size, bool with_draft, int block, int max_num_seqs, int max_tokens_per_step,
+                     int max_positions)
+    : target_(n_pages, page_size),
+      draft_(with_draft ? n_pages : 0, page_size),
+      with_draft_(with_draft),
+      block_(block),
+      max_num_seqs_(max_num_seqs),
+      max_tokens_per_step_(max_tokens_per_step),
+      max_positions_(max_positions) {
+  check(max_num_seqs >= 1, "max_num_seqs must be at least 1");
+  check(max_tokens_per_step >= block, "max_tokens_per_step (", max_tokens_per_step, ") must be at least the block size (",
+        block, ")");
+}
+
+int Scheduler::pages_for(int64_t n_positions) const {
+  return static_cast<int>((n_positions + target_.page_size() - 1) / target_.page_size());
+}
+
+int Scheduler::rows_for(const ServeSeq& s) const { return std::max(1, std::min(block_, max_positions_ - s.n_cached)); }
+
+bool Scheduler::reserve(ServeSeq& s, int64_t n_positions) {
+  const size_t t0 = s.target_pages.size();
+  if (!target_.reserve(s.target_pages, n_positions)) return false;
+  if (with_draft_ && !draft_.reserve(s.draft_pages, n_positions)) {
+    // Give back what the target cache just handed out.
+    std::vector<int32_t> extra(s.target_pages.begin() + static_cast<std::ptrdiff_t>(t0), s.target_pages.end());
+    s.target_pages.resize(t0);
+    target_.release(extra);
+    return false;
+  }
+  return true;
+}
+
+void Scheduler::release(ServeSeq& s) {
+  target_.release(s.target_pages);
+  if (with_draft_) draft_.release(s.draft_pages);
+}
+
+void Scheduler::preempt(ServeSeq& s) {
+  release(s);
+  if (s.pending >= 0) s.tokens.push_back(s.pending);  // sent already; recomputed with the rest
+  s.pending = -1;
+  s.n_cached = s.n_draft_ctx = 0;
+  ++n_preempted_;
+  auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& p) { return p.get() == &s; });
+  waiting_.push_front(std::move(*it));
+  running_.erase(it);
+}
+
+void Scheduler::add(std::unique_ptr<ServeSeq> seq) { waiting_.push_back(std::move(seq)); }
+
+StepPlan Scheduler::schedule() {
+  StepPlan plan;
+  // Decoding sequences need room for this step's rows; the most recently admitted
+  // sequence gives its pages back until they fit (it may be the one asking).
+  for (size_t i = 0; i < running_.size();) {
+    ServeSeq& s = *running_[i];
+    if (s.prefilling() || reserve(s, int64_t{s.n_cached} + rows_for(s))) {
+      ++i;
+      continue;
+    }
+    auto newest = std::max_element(running_.begin(), running_.end(),
+                                   [](const auto& a, const auto& b) { return a->admit_order < b->admit_order; });
+    preempt(**newest);
+  }
+  int budget = max_tokens_per_step_;
+  for (auto& s : running_) {
+    if (s->prefilling()) continue;
+    plan.decodes.push_back(s.get());
+    budget -= rows_for(*s);
+  }
+  // Prefill: sequences already admitted first, then new ones in arrival order.
+  auto add_prefill = [&](ServeSeq& s) {
+    const int32_t n = std::min<int32_t>(static_cast<int32_t>(s.tokens.size()) - s.n_cached, budget);
+    plan.prefills.push_back({&s, n});
+    budget -= n;
+  };
+  for (auto& s : running_) {
+    if (s->prefilling() && budget > 0) add_prefill(*s);
+  }
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < max_num_seqs_ && budget > 0) {
+    ServeSeq& s = *waiting_.front();
+    if (!reserve(s, static_cast<int64_t>(s.tokens.size()) + block_)) break;  // first come, first served
+    s.admit_order = next_order_++;
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    add_prefill(s);
+  }
+  return plan;
+}
+
+std::unique_ptr<ServeSeq> Scheduler::remove(uint64_t id) {
+  std::unique_ptr<ServeSeq> out;
+  auto take = [&](auto& list) {
+    auto it = std::find_if(list.begin(), list.end(), [&](const auto& p) { return p->id == id; });
+    if (it == list.end()) return false;
+    out = std::move(*it);
+    list.erase(it);
+    return true;
+  };
+  if (take(running_) || take(waiting_)) release(*out);
+  return out;
+}
+
+std::vector<ServeSeq*> Scheduler::all() {
+  std::vector<ServeSeq*> v;
+  for (auto& s : running_) v.push_back(s.get());
+  for (auto& s : waiting_) v.push_back(s.get());
+  return v;
+}
+
+}  // namespace dflash

@@ -1,0 +1,77 @@
+// Public API of the serving engine: many requests decoded together with
+// continuous batching (plain or DFlash), on one engine thread. The HTTP server
+// includes only this header and engine.h.
+//
+// Threading: submit() and cancel() may be called from any thread; events are
+// delivered on the engine thread, in order per request, and must not block.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace dflash {
+
+struct ServingOptions {
+  EngineOptions engine;           // model, draft, device, page size, block size
+  SpeculativeMode mode = SpeculativeMode::DFlash;  // None when there is no draft
+  int max_num_seqs = 32;          // sequences decoded together
+  int kv_pages = 0;               // KV pages per cache (target and draft); 0: enough for max_num_seqs full contexts, capped
+  int max_tokens_per_step = 2048; // rows per target forward (prefill chunks + decode/verify rows)
+};
+
+struct RequestParams {
+  std::vector<int32_t> prompt;
+  int max_tokens = 16;
+  std::vector<int32_t> extra_eos;  // besides the model's default EOS ids (e.g. a chat template's end of turn)
+};
+
+struct TokenEvent {
+  std::vector<int32_t> tokens;     // newly generated tokens (may be empty on the final event)
+  bool finished = false;
+  std::string finish_reason;       // "stop" (EOS), "length" (max_tokens or context), "cancelled"
+  int n_prompt_tokens = 0;
+};
+
+struct ServingStats {
+  int kv_pages_total = 0, kv_pages_used = 0;  // target cache (the draft cache mirrors it)
+  int n_running = 0, n_waiting = 0;
+  int64_t n_finished = 0, n_preempted = 0;
+  int64_t prompt_tokens = 0, generated_tokens = 0, n_steps = 0;
+  int64_t dflash_seq_steps = 0;                // one per sequence per DFlash step
+  std::vector<int64_t> acceptance_histogram;   // [i] = sequence-steps that produced i+1 tokens
+  std::vector<int64_t> position_accepted;      // [i] = sequence-steps whose draft token i+1 was accepted
+};
+
+class ServingEngine {
+ public:
+  using Callback = std::function<void(const TokenEvent&)>;
+
+  explicit ServingEngine(const ServingOptions& opts);  // loads the models and starts the engine thread
+  ~ServingEngine();                                     // stops it; unfinished requests are cancelled
+  ServingEngine(const ServingEngine&) = delete;
+  ServingEngine& operator=(const ServingEngine&) = delete;
+
+  // Queues a request; throws Error (nothing queued) when it can never run:
+  // empty prompt, ids outside the vocabulary, prompt beyond the context, max_tokens <= 0.
+  uint64_t submit(RequestParams params, Callback on_event);
+  // Finishes the request at the next step (reason "cancelled") and frees its pages; no-op when finished.
+  void cancel(uint64_t id);
+
+  ServingStats stats() const;
+  const ModelConfig& target_config() const;
+  int block_size() const;  // 1 for plain serving
+  bool speculative() const;
+  const std::string& backend_name() const;
+  int max_num_seqs() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dflash

@@ -1,0 +1,140 @@
+#include "engine/step_runner.h"
+
+#include <algorithm>
+
+#include "util/error.h"
+
+namespace dflash {
+
+StepRunner::StepRunner(ModelSet& m, bool speculative, int n_pages)
+    : m_(m), spec_(speculative), block_(speculative ? m.block_size : 1) {
+  check(!speculative || m.draft, "DFlash serving needs a draft model (--draft)");
+  target_cache_ = m.target->alloc_cache(n_pages, m.page_size);
+  if (spec_) draft_cache_ = m.draft->alloc_cache(n_pages, m.page_size);
+}
+
+namespace {
+
+// Appends a generated token unless the sequence already finished; sets the finish reason.
+void emit(SeqOutput& o, int32_t token) {
+  if (!o.finish_reason.empty()) return;
+  ServeSeq& s = *o.seq;
+  o.tokens.push_back(token);
+  ++s.n_generated;
+  if (s.eos.count(token)) o.finish_reason = "stop";
+  else if (s.n_generated >= s.max_tokens) o.finish_reason = "length";
+}
+
+}  // namespace
+
+std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sched, StepCounters& c) {
+  const int page_size = m_.page_size;
+  const int max_pos = m_.target->config().max_positions;
+  std::vector<SeqOutput> outs;
+
+  // 1. Draft blocks [t, M, ..., M] for the decoding sequences (DFlash only).
+  std::vector<std::vector<int32_t>> drafted(plan.decodes.size());
+  if (spec_) {
+    ForwardBatch db(page_size);
+    std::vector<size_t> who;
+    for (size_t i = 0; i < plan.decodes.size(); ++i) {
+      const ServeSeq& s = *plan.decodes[i];
+      const int B = sched.rows_for(s);
+      if (B < 2) continue;
+      std::vector<int32_t> block(static_cast<size_t>(B), m_.draft->config().mask_token_id);
+      block[0] = s.pending;
+      const int32_t first = db.add_sequence(block, s.n_cached, s.draft_pages, /*causal=*/false);
+      for (int j = 1; j < B; ++j) db.logit_rows.push_back(first + j);
+      who.push_back(i);
+    }
+    if (!who.empty()) {
+      const std::vector<int32_t> ids = m_.be->argmax_rows(m_.draft->forward_block(db, draft_cache_));
+      size_t k = 0;
+      for (size_t i : who) {
+        const int B = sched.rows_for(*plan.decodes[i]);
+        drafted[i].assign(ids.begin() + static_cast<std::ptrdiff_t>(k), ids.begin() + static_cast<std::ptrdiff_t>(k + B - 1));
+        k += B - 1;
+      }
+    }
+  }
+
+  // 2. One target forward: prefill chunks, then each decoding sequence's rows.
+  ForwardBatch tb(page_size);
+  std::vector<int32_t> first_rows;
+  for (const auto& p : plan.prefills) {
+    const ServeSeq& s = *p.seq;
+    const std::vector<int32_t> chunk(s.tokens.begin() + s.n_cached, s.tokens.begin() + s.n_cached + p.n_tokens);
+    const int32_t first = tb.add_sequence(chunk, s.n_cached, s.target_pages);
+    first_rows.push_back(first);
+    if (s.n_cached + p.n_tokens == static_cast<int32_t>(s.tokens.size())) tb.logit_rows.push_back(first + p.n_tokens - 1);
+  }
+  for (size_t i = 0; i < plan.decodes.size(); ++i) {
+    const ServeSeq& s = *plan.decodes[i];
+    std::vector<int32_t> block{s.pending};
+    block.insert(block.end(), drafted[i].begin(), drafted[i].end());
+    const int32_t first = tb.add_sequence(block, s.n_cached, s.target_pages);
+    first_rows.push_back(first);
+    for (size_t j = 0; j < block.size(); ++j) tb.logit_rows.push_back(first + static_cast<int32_t>(j));
+  }
+  if (tb.n_rows() == 0) return outs;
+  const std::vector<int> no_capture;
+  auto out = m_.target->forward(tb, target_cache_, spec_ ? m_.draft->config().target_layer_ids : no_capture);
+  const std::vector<int32_t> g = m_.be->argmax_rows(out.logits);
+
+  // 3. Commit: prefill progress, acceptance per sequence; rows to project into the draft context.
+  ForwardBatch pb(page_size);
+  std::vector<int32_t> feature_rows;
+  auto project = [&](ServeSeq& s, int32_t first_row, int32_t n) {
+    if (!spec_) return;
+    pb.add_sequence(std::vector<int32_t>(static_cast<size_t>(n), 0), s.n_draft_ctx, s.draft_pages);
+    for (int32_t r = 0; r < n; ++r) feature_rows.push_back(first_row + r);
+    s.n_draft_ctx += n;
+  };
+  size_t next_logit = 0, row_idx = 0;
+  for (const auto& p : plan.prefills) {
+    ServeSeq& s = *p.seq;
+    project(s, first_rows[row_idx++], p.n_tokens);
+    s.n_cached += p.n_tokens;
+    c.prompt_tokens += p.n_tokens;
+    if (s.n_cached < static_cast<int32_t>(s.tokens.size())) continue;
+    SeqOutput o{&s, {}, {}};
+    s.pending = g[next_logit++];
+    emit(o, s.pending);
+    outs.push_back(std::move(o));
+  }
+  for (size_t i = 0; i < plan.decodes.size(); ++i) {
+    ServeSeq& s = *plan.decodes[i];
+    const auto& d = drafted[i];
+    const int32_t s0 = s.n_cached;
+    const int32_t* gi = &g[next_logit];
+    next_logit += d.size() + 1;
+    int a = 0;
+    while (a < static_cast<int>(d.size()) && d[a] == gi[a]) ++a;
+    s.tokens.push_back(s.pending);
+    s.tokens.insert(s.tokens.end(), d.begin(), d.begin() + a);
+    s.n_cached = s0 + a + 1;
+    project(s, first_rows[row_idx++], a + 1);
+    SeqOutput o{&s, {}, {}};
+    for (int j = 0; j < a; ++j) emit(o, d[j]);
+    s.pending = gi[a];
+    emit(o, s.pending);
+    if (spec_) {
+      ++c.dflash_seq_steps;
+      if (a < static_cast<int>(c.acceptance_histogram.size())) ++c.acceptance_histogram[a];
+      for (int j = 0; j < a && j < static_cast<int>(c.position_accepted.size()); ++j) ++c.position_accepted[j];
+    }
+    outs.push_back(std::move(o));
+  }
+  if (spec_ && pb.n_rows() > 0) {
+    Tensor features = m_.be->alloc(pb.n_rows(), out.captured.cols);
+    m_.be->gather_rows(out.captured, feature_rows, features);
+    m_.draft->project_context(features, pb, draft_cache_);
+  }
+  for (auto& o : outs) {
+    c.generated_tokens += static_cast<int64_t>(o.tokens.size());
+    if (o.finish_reason.empty() && o.seq->n_cached >= max_pos) o.finish_reason = "length";  // the context is full
+  }
+  return outs;
+}
+
+}  // namespace dflash

@@ -1,0 +1,167 @@
+// The serving engine: many concurrent requests decoded with continuous
+// batching give exactly what one-at-a-time generation gives (plain and DFlash),
+// also when KV pages run out and sequences are preempted and recomputed;
+// cancellation frees pages; requests that can never run are refused.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "engine/engine.h"
+#include "engine/serving.h"
+#include "test_util.h"
+#include "util/error.h"
+
+namespace dflash {
+namespace {
+
+using test::fixture;
+
+// Collects events per request and waits for all of them to finish.
+struct Collector {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, std::vector<int32_t>> tokens;
+  std::map<uint64_t, std::string> reasons;
+  int n_events = 0;
+
+  ServingEngine::Callback callback_for(uint64_t* id_slot) {
+    return [this, id_slot](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lk(mu);
+      auto& t = tokens[*id_slot];
+      t.insert(t.end(), e.tokens.begin(), e.tokens.end());
+      ++n_events;
+      if (e.finished) reasons[*id_slot] = e.finish_reason;
+      cv.notify_all();
+    };
+  }
+  void wait_for(size_t n_finished) {
+    std::unique_lock<std::mutex> lk(mu);
+    ASSERT_TRUE(cv.wait_for(lk, std::chrono::minutes(5), [&] { return reasons.size() >= n_finished; }))
+        << "requests did not finish";
+  }
+};
+
+struct Pair {
+  std::string target, draft;
+  std::vector<std::vector<int32_t>> prompts;
+};
+
+Pair trained_pair() {
+  const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
+  return {fixture(meta["target"].get<std::string>()), fixture(meta["draft"].get<std::string>()),
+          meta["prompts"].get<std::vector<std::vector<int32_t>>>()};
+}
+
+// Submits every prompt at once and compares with Engine::generate, prompt by prompt.
+void expect_same_as_generate(const Pair& pair, SpeculativeMode mode, int max_tokens, int kv_pages,
+                             int max_num_seqs, int64_t* n_preempted = nullptr) {
+  EngineOptions eo;
+  eo.model_dir = pair.target;
+  eo.draft_dir = pair.draft;
+  ServingOptions so;
+  so.engine = eo;
+  so.mode = mode;
+  so.kv_pages = kv_pages;
+  so.max_num_seqs = max_num_seqs;
+  so.max_tokens_per_step = 64;  // prompts are prefilled in several chunks
+  ServingEngine server(so);
+  Collector col;
+  std::vector<uint64_t> ids(pair.prompts.size());
+  {
+    std::lock_guard<std::mutex> lk(col.mu);  // no event is recorded before its id is known
+    for (size_t i = 0; i < pair.prompts.size(); ++i) {
+      RequestParams rp;
+      rp.prompt = pair.prompts[i];
+      rp.max_tokens = max_tokens;
+      ids[i] = server.submit(rp, col.callback_for(&ids[i]));
+    }
+  }
+  col.wait_for(pair.prompts.size());
+  Engine engine(eo);
+  for (size_t i = 0; i < pair.prompts.size(); ++i) {
+    GenerateOptions go;
+    go.max_tokens = max_tokens;
+    go.mode = mode;
+    const auto ref = engine.generate(pair.prompts[i], go);
+    EXPECT_EQ(col.tokens[ids[i]], ref.tokens) << "prompt " << i;
+    EXPECT_EQ(col.reasons[ids[i]], ref.stop_reason == "eos" ? "stop" : "length") << "prompt " << i;
+  }
+  const ServingStats st = server.stats();
+  EXPECT_EQ(st.kv_pages_used, 0) << "pages left in use after every request finished";
+  if (n_preempted) *n_preempted = st.n_preempted;
+  if (mode == SpeculativeMode::DFlash) {
+    EXPECT_GT(st.dflash_seq_steps, 0);
+  }
+}
+
+TEST(Serving, ConcurrentPlainRequestsEqualOneAtATimeGeneration) {
+  expect_same_as_generate(trained_pair(), SpeculativeMode::None, 40, 0, 8);
+}
+
+TEST(Serving, ConcurrentDFlashRequestsEqualOneAtATimeGeneration) {
+  expect_same_as_generate(trained_pair(), SpeculativeMode::DFlash, 40, 0, 8);
+}
+
+TEST(Serving, PreemptionWhenPagesRunOutLosesNothing) {
+  int64_t preempted = 0;
+  // 20 prompts of ~24 tokens + 64 new + a block of 16: 7 pages each; 24 pages hold 3.
+  expect_same_as_generate(trained_pair(), SpeculativeMode::DFlash, 64, 24, 20, &preempted);
+  EXPECT_GT(preempted, 0) << "the test meant to exercise preemption did not preempt";
+  expect_same_as_generate(trained_pair(), SpeculativeMode::None, 64, 12, 20, &preempted);
+  EXPECT_GT(preempted, 0);
+}
+
+TEST(Serving, CancelFreesPagesAndBadRequestsAreRefused) {
+  const Pair pair = trained_pair();
+  ServingOptions so;
+  so.engine.model_dir = pair.target;
+  so.engine.draft_dir = pair.draft;
+  ServingEngine server(so);
+  Collector col;
+  uint64_t id = 0;
+  RequestParams rp;
+  rp.prompt = pair.prompts[0];
+  rp.max_tokens = 100000;  // would run to the end of the context
+  {
+    std::lock_guard<std::mutex> lk(col.mu);
+    id = server.submit(rp, col.callback_for(&id));
+  }
+  {
+    std::unique_lock<std::mutex> lk(col.mu);
+    col.cv.wait(lk, [&] { return col.n_events > 0; });
+  }
+  server.cancel(id);
+  col.wait_for(1);
+  EXPECT_EQ(col.reasons[id], "cancelled");
+  for (int i = 0; i < 100 && server.stats().kv_pages_used != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(server.stats().kv_pages_used, 0);
+
+  auto refused = [&](RequestParams p) {
+    try {
+      server.submit(p, [](const TokenEvent&) {});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  RequestParams empty;
+  EXPECT_NE(refused(empty).find("empty"), std::string::npos);
+  RequestParams bad_id;
+  bad_id.prompt = {1, 2, 100000};
+  EXPECT_NE(refused(bad_id).find("outside the vocabulary"), std::string::npos);
+  RequestParams zero;
+  zero.prompt = {1, 2};
+  zero.max_tokens = 0;
+  EXPECT_NE(refused(zero).find("max_tokens"), std::string::npos);
+  RequestParams too_long;
+  too_long.prompt.assign(static_cast<size_t>(server.target_config().max_positions), 5);
+  EXPECT_NE(refused(too_long).find("context"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dflash

@@ -175,6 +175,10 @@ struct AttnCase {
   int n_heads, n_kv_heads, head_dim, page_size, window;
 };
 
+void PrintTo(const AttnCase& c, std::ostream* os) {
+  *os << c.n_heads << "/" << c.n_kv_heads << " heads of " << c.head_dim << ", page " << c.page_size << ", window " << c.window;
+}
+
 class CudaAttention : public CudaOps, public ::testing::WithParamInterface<AttnCase> {};
 
 TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {

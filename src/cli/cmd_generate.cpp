@@ -85,7 +85,7 @@ void print_json(const GenerationResult& r, const Tokenizer* tok) {
   const auto& st = r.stats;
   nlohmann::json j;
   j["tokens"] = r.tokens;
-  if (tok) j["text"] = tok->decode(r.tokens);
+  if (tok) j["text"] = tok->decode(r.tokens, /*skip_special_tokens=*/true);
   j["n_steps"] = st.n_steps;
   j["tau"] = st.tau;
   j["acceptance_histogram"] = st.acceptance_histogram;
@@ -100,7 +100,7 @@ void print_json(const GenerationResult& r, const Tokenizer* tok) {
 void print_text(const GenerationResult& r, const Tokenizer* tok) {
   const auto& st = r.stats;
   if (tok) {
-    std::printf("%s\n", tok->decode(r.tokens).c_str());
+    std::printf("%s\n", tok->decode(r.tokens, /*skip_special_tokens=*/true).c_str());
   } else {
     std::string ids;
     for (size_t i = 0; i < r.tokens.size(); ++i) ids += (i ? "," : "") + std::to_string(r.tokens[i]);

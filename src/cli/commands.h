@@ -16,5 +16,6 @@ Command add_tokenize(CLI::App& app);
 Command add_chat_template(CLI::App& app);
 Command add_bench_step(CLI::App& app);
 Command add_logits(CLI::App& app);
+Command add_serve(CLI::App& app);
 
 }  // namespace dflash::cli

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
     commands[sub] = adder(*sub);
   };
   add("generate", "generate tokens for one prompt and print them with statistics", dflash::cli::add_generate);
+  add("serve", "serve the model over an OpenAI-compatible HTTP API", dflash::cli::add_serve);
   add("tokenize", "turn text into token ids with a tokenizer.json", dflash::cli::add_tokenize);
   add("chat-template", "render chat messages with a tokenizer's chat template", dflash::cli::add_chat_template);
   add("bench-step", "time decode and DFlash steps against the memory-bandwidth floor", dflash::cli::add_bench_step);

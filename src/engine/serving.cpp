@@ -38,6 +38,12 @@ struct ServingEngine::Impl {
     // Default capacity: every sequence can hold 4096 positions (or the whole context when shorter).
     const int per_seq = (std::min(c.max_positions, 4096) + block + m.page_size - 1) / m.page_size + 1;
     n_pages = o.kv_pages > 0 ? o.kv_pages : o.max_num_seqs * per_seq;
+    int64_t free_b = 0, total_b = 0;
+    if (o.gpu_memory_fraction > 0 && m.be->memory_info(free_b, total_b)) {
+      n_pages = static_cast<int>(static_cast<double>(free_b) * o.gpu_memory_fraction / static_cast<double>(page_bytes()));
+      check(n_pages > 0, "--gpu-memory-fraction ", o.gpu_memory_fraction, " of ", free_b >> 20,
+            " MiB free leaves no room for one KV page");
+    }
     runner = std::make_unique<StepRunner>(m, spec, n_pages);
     sched = std::make_unique<Scheduler>(n_pages, m.page_size, spec, block, o.max_num_seqs, o.max_tokens_per_step,
                                         c.max_positions);
@@ -55,6 +61,15 @@ struct ServingEngine::Impl {
     }
     cv.notify_all();
     thread.join();
+  }
+
+  // Bytes of one page in both caches (activations are bf16 on GPUs, f32 on the CPU).
+  int64_t page_bytes() const {
+    const int64_t elt = m.be->name() == "cpu" ? 4 : 2;
+    auto per = [&](const ModelConfig& c) { return int64_t{c.n_layers} * 2 * c.n_kv_heads * c.head_dim * elt; };
+    int64_t b = per(m.target->config());
+    if (spec) b += per(m.draft->config().layers);
+    return b * m.page_size;
   }
 
   static void finish(ServeSeq& s, const std::string& reason, std::vector<int32_t> tokens = {}) {
@@ -190,5 +205,6 @@ int ServingEngine::block_size() const { return impl_->spec ? impl_->m.block_size
 bool ServingEngine::speculative() const { return impl_->spec; }
 const std::string& ServingEngine::backend_name() const { return impl_->backend_name; }
 int ServingEngine::max_num_seqs() const { return impl_->opts.max_num_seqs; }
+int64_t ServingEngine::kv_cache_bytes() const { return impl_->n_pages * impl_->page_bytes(); }
 
 }  // namespace dflash

@@ -22,6 +22,7 @@ struct ServingOptions {
   int max_num_seqs = 32;          // sequences decoded together
   int kv_pages = 0;               // KV pages per cache (target and draft); 0: enough for max_num_seqs full contexts, capped
   int max_tokens_per_step = 2048; // rows per target forward (prefill chunks + decode/verify rows)
+  double gpu_memory_fraction = 0; // > 0: size kv_pages to this fraction of the device memory free after loading
 };
 
 struct RequestParams {
@@ -68,6 +69,7 @@ class ServingEngine {
   bool speculative() const;
   const std::string& backend_name() const;
   int max_num_seqs() const;
+  int64_t kv_cache_bytes() const;  // both caches
 
  private:
   struct Impl;

@@ -1,0 +1,92 @@
+// `dflash serve`: the OpenAI-compatible server over the serving engine.
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "cli/bundled_models.h"
+#include "cli/commands.h"
+#include "engine/serving.h"
+#include "server/http_server.h"
+#include "util/error.h"
+
+namespace dflash::cli {
+
+namespace {
+server::HttpServer* g_server = nullptr;
+void on_signal(int) {
+  if (g_server) g_server->stop();
+}
+}  // namespace
+
+Command add_serve(CLI::App& app) {
+  struct Args {
+    ServingOptions so;
+    server::ServerOptions http;
+    std::string model, draft, speculative, device = "auto";
+    int page_size = 16, block_size = 0;
+  };
+  auto a = std::make_shared<Args>();
+  app.add_option("--model", a->model, std::string("target model directory (default: the bundled ") + kBundledTarget +
+                                          " with its DFlash draft)");
+  app.add_option("--draft", a->draft, "DFlash draft directory; enables DFlash by default");
+  app.add_option("--speculative", a->speculative, "dflash | none (default: dflash when a draft is given)")
+      ->check(CLI::IsMember({"none", "dflash"}));
+  app.add_option("--host", a->http.host, "address to bind (default 127.0.0.1)");
+  app.add_option("--port", a->http.port, "port (0: any free port)")->check(CLI::Range(0, 65535));
+  app.add_option("--max-num-seqs", a->so.max_num_seqs, "sequences decoded together")->check(CLI::Range(1, 4096));
+  auto* kv = app.add_option("--kv-pages", a->so.kv_pages, "KV-cache pages per cache (default: from --max-num-seqs)")
+                 ->check(CLI::Range(1, 1 << 24));
+  app.add_option("--gpu-memory-fraction", a->so.gpu_memory_fraction,
+                 "size the KV cache to this fraction of the GPU memory left after the weights")
+      ->check(CLI::Range(0.01, 0.99))
+      ->excludes(kv);
+  app.add_option("--max-tokens-per-step", a->so.max_tokens_per_step, "rows per target forward (prefill chunking)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--page-size", a->page_size, "KV-cache page size in tokens")->check(CLI::Range(1, 4096));
+  app.add_option("--block-size", a->block_size, "DFlash block size (default: the draft's)");
+  app.add_option("--device", a->device, "cpu, cuda or auto")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_option("--api-key", a->http.api_key, "require 'Authorization: Bearer KEY' on /v1/*");
+  app.add_option("--read-timeout", a->http.read_timeout_s, "seconds a client may stall while sending (default 20)")
+      ->check(CLI::Range(1, 3600));
+  app.add_option("--model-name", a->http.model_name, "name served in /v1/models (default: the model directory's name)");
+  return [a] {
+    if (a->model.empty()) {
+      a->model = bundled_model_dir(kBundledTarget);
+      if (a->draft.empty()) a->draft = bundled_model_dir(kBundledDraft);
+    }
+    ServingOptions so = a->so;
+    so.engine.model_dir = a->model;
+    so.engine.draft_dir = a->speculative == "none" ? "" : a->draft;
+    so.engine.device = a->device;
+    so.engine.page_size = a->page_size;
+    so.engine.block_size = a->block_size;
+    so.mode = so.engine.draft_dir.empty() ? SpeculativeMode::None : SpeculativeMode::DFlash;
+    server::ServerOptions http = a->http;
+    http.tokenizer_dir = a->model;
+    if (http.model_name.empty()) http.model_name = std::filesystem::path(a->model).lexically_normal().filename().string();
+    if (http.model_name.empty()) http.model_name = std::filesystem::path(a->model).parent_path().filename().string();
+
+    ServingEngine engine(so);
+    const ServingStats st = engine.stats();
+    std::printf("dflash serve: model %s%s%s on %s\n", a->model.c_str(), engine.speculative() ? ", DFlash draft " : "",
+                engine.speculative() ? so.engine.draft_dir.c_str() : "", engine.backend_name().c_str());
+    std::printf("memory plan: %d KV pages of %d tokens (%s), %lld bytes of KV cache; up to %d sequences, block %d\n",
+                st.kv_pages_total, a->page_size, engine.speculative() ? "target and draft" : "target",
+                static_cast<long long>(engine.kv_cache_bytes()), engine.max_num_seqs(), engine.block_size());
+    server::HttpServer srv(engine, http);
+    g_server = &srv;
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+    std::signal(SIGPIPE, SIG_IGN);
+    srv.run([&](int port) {
+      std::printf("serving '%s' at http://%s:%d/v1 (OpenAI API)\n", http.model_name.c_str(), http.host.c_str(), port);
+      std::fflush(stdout);
+    });
+    g_server = nullptr;
+    return 0;
+  };
+}
+
+}  // namespace dflash::cli

@@ -1,0 +1,274 @@
+#include "server/http_server.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+
+#include "formats/chat_template.h"
+#include "server/metrics.h"
+#include "server/openai_protocol.h"
+#include "server/text_stream.h"
+#include "tokenizer/tokenizer.h"
+#include "util/error.h"
+
+namespace dflash::server {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+// JSON text; bytes that are not UTF-8 (none are expected) become U+FFFD instead of throwing.
+std::string to_text(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Token events of one request, handed from the engine thread to the HTTP thread.
+struct Channel {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<TokenEvent> events;
+
+  void push(const TokenEvent& e) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      events.push_back(e);
+    }
+    cv.notify_all();
+  }
+  // Waits up to `timeout` for the next event.
+  std::optional<TokenEvent> pop(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lk(mu);
+    if (!cv.wait_for(lk, timeout, [&] { return !events.empty(); })) return std::nullopt;
+    TokenEvent e = std::move(events.front());
+    events.pop_front();
+    return e;
+  }
+};
+
+// One request in flight: engine id, text assembly, usage and timing.
+struct Generation {
+  std::shared_ptr<Channel> channel = std::make_shared<Channel>();
+  uint64_t engine_id = 0;
+  std::unique_ptr<TextStream> text;
+  Usage usage;
+  std::string finish_reason;  // set when done
+  Clock::time_point start = Clock::now(), first_token, last_token;
+  int n_tokens = 0;
+  bool done = false;
+
+  // Applies an event; returns the text that became sendable.
+  std::string apply(const TokenEvent& e, Metrics& metrics) {
+    std::string out;
+    for (int32_t t : e.tokens) {
+      if (text->stopped()) break;
+      if (n_tokens++ == 0) {
+        first_token = Clock::now();
+        metrics.first_token(seconds_since(start));
+      }
+      last_token = Clock::now();
+      ++usage.completion_tokens;
+      out += text->push(t);
+    }
+    if (text->stopped()) {
+      finish_reason = "stop";
+      done = true;
+    } else if (e.finished) {
+      out += text->finish();
+      finish_reason = e.finish_reason == "length" ? "length" : "stop";
+      done = true;
+    }
+    if (done && n_tokens > 1)
+      metrics.per_output_token(std::chrono::duration<double>(last_token - first_token).count() / (n_tokens - 1));
+    return out;
+  }
+};
+
+}  // namespace
+
+struct HttpServer::Impl {
+  ServingEngine& engine;
+  ServerOptions opts;
+  Tokenizer tokenizer;
+  std::unique_ptr<ChatTemplate> chat_template;
+  ProtocolContext ctx;
+  Metrics metrics;
+  httplib::Server svr;
+  std::atomic<uint64_t> next_id{1};
+  const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
+                              std::chrono::system_clock::now().time_since_epoch()).count();
+
+  Impl(ServingEngine& e, const ServerOptions& o) : engine(e), opts(o), tokenizer(o.tokenizer_dir) {
+    try {
+      chat_template = std::make_unique<ChatTemplate>(o.tokenizer_dir);
+    } catch (const Error&) {
+      chat_template.reset();  // completions only
+    }
+    ctx.tokenizer = &tokenizer;
+    ctx.chat_template = chat_template.get();
+    ctx.model_name = o.model_name;
+    ctx.max_positions = e.target_config().max_positions;
+    if (chat_template && chat_template->eos_token()) {
+      if (auto id = tokenizer.token_to_id(*chat_template->eos_token())) ctx.chat_eos.push_back(*id);
+    }
+    routes();
+  }
+
+  void send_error(httplib::Response& res, int status, const std::string& message, const std::string& type,
+                  const std::string& param = {}) {
+    res.status = status;
+    res.set_content(error_json(message, type, param), "application/json");
+  }
+
+  bool authorized(const httplib::Request& req, httplib::Response& res) {
+    if (opts.api_key.empty()) return true;
+    if (req.get_header_value("Authorization") == "Bearer " + opts.api_key) return true;
+    send_error(res, 401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error");
+    return false;
+  }
+
+  void routes() {
+    svr.set_payload_max_length(opts.max_body_bytes);
+    svr.set_read_timeout(opts.read_timeout_s, 0);
+    svr.set_write_timeout(opts.read_timeout_s, 0);
+    const int n_threads = opts.n_threads;
+    svr.new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
+    svr.set_error_handler([this](const httplib::Request&, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      if (res.status == 413) {
+        send_error(res, 413, "the request body exceeds " + std::to_string(opts.max_body_bytes) + " bytes",
+                   "invalid_request_error");
+      } else if (res.status == 404) {
+        send_error(res, 404, "no such endpoint", "not_found_error");
+      } else {
+        send_error(res, res.status,
+                   res.status == 400 ? "malformed or incomplete HTTP request (a body must arrive within " +
+                                           std::to_string(opts.read_timeout_s) + " s)"
+                                     : "request failed with HTTP status " + std::to_string(res.status),
+                   "invalid_request_error");
+      }
+    });
+    svr.set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string what = "internal error";
+      try {
+        std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      send_error(res, 500, what, "server_error");
+    });
+    svr.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content("{\"status\":\"ok\"}", "application/json");
+    });
+    svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics.render(engine.stats(), opts.model_name), "text/plain; version=0.0.4");
+    });
+    svr.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+      if (!authorized(req, res)) return;
+      const nlohmann::json m = {{"id", opts.model_name}, {"object", "model"}, {"created", created}, {"owned_by", "dflash"},
+                                {"max_model_len", ctx.max_positions}};
+      res.set_content(to_text(nlohmann::json{{"object", "list"}, {"data", {m}}}), "application/json");
+    });
+    svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      complete(req, res, false);
+      metrics.request_finished("/v1/completions", res.status < 0 ? 200 : res.status);
+    });
+    svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      complete(req, res, true);
+      metrics.request_finished("/v1/chat/completions", res.status < 0 ? 200 : res.status);
+    });
+  }
+
+  void complete(const httplib::Request& req, httplib::Response& res, bool chat) {
+    if (!authorized(req, res)) return;
+    CompletionRequest cr;
+    try {
+      cr = parse_completion_request(req.body, chat, ctx);
+    } catch (const ApiError& e) {
+      send_error(res, e.status, e.what(), e.type, e.param);
+      return;
+    }
+    auto gen = std::make_shared<Generation>();
+    gen->usage.prompt_tokens = static_cast<int>(cr.prompt_ids.size());
+    gen->text = std::make_unique<TextStream>(tokenizer, cr.stop);
+    RequestParams rp;
+    rp.prompt = cr.prompt_ids;
+    rp.max_tokens = cr.max_tokens;
+    rp.extra_eos = cr.extra_eos;
+    try {
+      auto channel = gen->channel;
+      gen->engine_id = engine.submit(rp, [channel](const TokenEvent& e) { channel->push(e); });
+    } catch (const Error& e) {
+      send_error(res, 400, e.what(), "invalid_request_error");
+      return;
+    }
+    const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
+    if (!cr.stream) {
+      std::string text;
+      while (!gen->done) {
+        if (auto e = gen->channel->pop(std::chrono::milliseconds(1000))) text += gen->apply(*e, metrics);
+      }
+      if (gen->finish_reason == "stop" && gen->text->stopped()) engine.cancel(gen->engine_id);
+      res.set_content(to_text(completion_response(chat, id, opts.model_name, created, text, gen->finish_reason, gen->usage)),
+                      "application/json");
+      return;
+    }
+    const bool include_usage = cr.include_usage;
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, gen, id, chat, include_usage, first = true](size_t, httplib::DataSink& sink) mutable {
+          auto send = [&](const nlohmann::json& j) {
+            const std::string s = "data: " + to_text(j) + "\n\n";
+            return sink.write(s.data(), s.size());
+          };
+          if (first) {
+            first = false;
+            if (chat && !send(completion_chunk(true, id, opts.model_name, created, "", "", true))) return false;
+          }
+          while (!gen->done) {
+            auto e = gen->channel->pop(std::chrono::milliseconds(200));
+            if (!e) {
+              if (!sink.is_writable()) return false;  // the client went away while nothing was generated
+              continue;
+            }
+            const std::string text = gen->apply(*e, metrics);
+            if (!text.empty() && !send(completion_chunk(chat, id, opts.model_name, created, text, "", false)))
+              return false;
+          }
+          if (gen->text->stopped()) engine.cancel(gen->engine_id);
+          if (!send(completion_chunk(chat, id, opts.model_name, created, "", gen->finish_reason, false))) return false;
+          if (include_usage && !send(usage_chunk(chat, id, opts.model_name, created, gen->usage))) return false;
+          const std::string done = "data: [DONE]\n\n";
+          sink.write(done.data(), done.size());
+          sink.done();
+          return true;
+        },
+        [this, gen](bool success) {
+          if (!success || !gen->done) engine.cancel(gen->engine_id);  // disconnected: free its pages
+        });
+  }
+};
+
+HttpServer::HttpServer(ServingEngine& engine, const ServerOptions& opts)
+    : impl_(std::make_unique<Impl>(engine, opts)) {}
+HttpServer::~HttpServer() = default;
+
+void HttpServer::run(const std::function<void(int)>& on_listening) {
+  int port = impl_->opts.port;
+  if (port == 0) {
+    port = impl_->svr.bind_to_any_port(impl_->opts.host);
+    check(port > 0, "cannot bind to ", impl_->opts.host, " (any port)");
+  } else {
+    check(impl_->svr.bind_to_port(impl_->opts.host, port), "cannot bind to ", impl_->opts.host, ":", port,
+          " (in use, or not an address of this machine)");
+  }
+  on_listening(port);
+  impl_->svr.listen_after_bind();
+}
+
+void HttpServer::stop() { impl_->svr.stop(); }
+
+}  // namespace dflash::server

@@ -1,0 +1,38 @@
+// The OpenAI-compatible HTTP server (cpp-httplib): /v1/completions and
+// /v1/chat/completions (streaming or not), /v1/models, /health, /metrics.
+// Each request is validated, submitted to the ServingEngine and answered from
+// its token events; a client that goes away cancels its request.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "engine/serving.h"
+
+namespace dflash::server {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                  // 0: any free port (printed at start-up)
+  std::string api_key;              // non-empty: "Authorization: Bearer <key>" required on /v1/*
+  std::string model_name;           // what /v1/models lists and requests must name
+  std::string tokenizer_dir;        // tokenizer.json and the chat template
+  int n_threads = 128;              // connections served at once
+  size_t max_body_bytes = 4u << 20;  // larger bodies get 413
+  int read_timeout_s = 20;          // a client that stops sending is dropped
+};
+
+class HttpServer {
+ public:
+  HttpServer(ServingEngine& engine, const ServerOptions& opts);
+  ~HttpServer();
+  // Binds and serves until stop(); calls on_listening(port) once bound. Throws Error when it cannot bind.
+  void run(const std::function<void(int)>& on_listening);
+  void stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dflash::server

@@ -115,6 +115,47 @@ TEST(Serving, PreemptionWhenPagesRunOutLosesNothing) {
   EXPECT_GT(preempted, 0);
 }
 
+TEST(Serving, RepeatedPrefixesComeFromThePrefixCache) {
+  const Pair pair = trained_pair();
+  EngineOptions eo;
+  eo.model_dir = pair.target;
+  eo.draft_dir = pair.draft;
+  for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+    ServingOptions so;
+    so.engine = eo;
+    so.engine.page_size = 4;
+    so.mode = mode;
+    ServingEngine server(so);
+    Engine engine(eo);
+    // A shared "system prompt" followed by different endings, one request after another.
+    const std::vector<int32_t> system(pair.prompts[0].begin(), pair.prompts[0].end());
+    int64_t hits_before = 0;
+    for (size_t i = 1; i < 6; ++i) {
+      std::vector<int32_t> prompt = system;
+      prompt.insert(prompt.end(), pair.prompts[i].begin(), pair.prompts[i].end());
+      Collector col;
+      uint64_t id = 0;
+      RequestParams rp;
+      rp.prompt = prompt;
+      rp.max_tokens = 24;
+      {
+        std::lock_guard<std::mutex> lk(col.mu);
+        id = server.submit(rp, col.callback_for(&id));
+      }
+      col.wait_for(1);
+      GenerateOptions go;
+      go.max_tokens = 24;
+      go.mode = mode;
+      EXPECT_EQ(col.tokens[id], engine.generate(prompt, go).tokens) << "request " << i;
+      const int64_t hits = server.stats().prefix_hit_pages;
+      if (i > 1) EXPECT_GE(hits - hits_before, static_cast<int64_t>(system.size() / 4)) << "request " << i;
+      hits_before = hits;
+    }
+    EXPECT_EQ(server.stats().kv_pages_used, 0);
+    EXPECT_GT(server.stats().kv_pages_cached, 0);
+  }
+}
+
 TEST(Serving, CancelFreesPagesAndBadRequestsAreRefused) {
   const Pair pair = trained_pair();
   ServingOptions so;

@@ -8,8 +8,7 @@ namespace dflash {
 
 Scheduler::Scheduler(int n_pages, int page_size, bool with_draft, int block, int max_num_seqs, int max_tokens_per_step,
                      int max_positions)
-    : target_(n_pages, page_size),
-      draft_(with_draft ? n_pages : 0, page_size),
+    : pool_(n_pages, page_size),
       with_draft_(with_draft),
       block_(block),
       max_num_seqs_(max_num_seqs),
@@ -21,27 +20,27 @@ Scheduler::Scheduler(int n_pages, int page_size, bool with_draft, int block, int
 }
 
 int Scheduler::pages_for(int64_t n_positions) const {
-  return static_cast<int>((n_positions + target_.page_size() - 1) / target_.page_size());
+  return static_cast<int>((n_positions + pool_.page_size() - 1) / pool_.page_size());
 }
 
 int Scheduler::rows_for(const ServeSeq& s) const { return std::max(1, std::min(block_, max_positions_ - s.n_cached)); }
 
-bool Scheduler::reserve(ServeSeq& s, int64_t n_positions) {
-  const size_t t0 = s.target_pages.size();
-  if (!target_.reserve(s.target_pages, n_positions)) return false;
-  if (with_draft_ && !draft_.reserve(s.draft_pages, n_positions)) {
-    // Give back what the target cache just handed out.
-    std::vector<int32_t> extra(s.target_pages.begin() + static_cast<std::ptrdiff_t>(t0), s.target_pages.end());
-    s.target_pages.resize(t0);
-    target_.release(extra);
-    return false;
-  }
-  return true;
-}
+bool Scheduler::reserve(ServeSeq& s, int64_t n_positions) { return pool_.reserve(s.pages, n_positions); }
 
 void Scheduler::release(ServeSeq& s) {
-  target_.release(s.target_pages);
-  if (with_draft_) draft_.release(s.draft_pages);
+  pool_.release(s.pages);
+  s.n_registered = 0;
+  s.chain = 0;
+}
+
+bool Scheduler::admit(ServeSeq& s) {
+  const int32_t covered = pool_.match_prefix(s.tokens, s.pages);
+  if (!reserve(s, static_cast<int64_t>(s.tokens.size()) + block_)) {
+    pool_.release(s.pages);
+    return false;
+  }
+  s.n_cached = s.n_draft_ctx = covered;
+  return true;
 }
 
 void Scheduler::preempt(ServeSeq& s) {
@@ -59,6 +58,11 @@ void Scheduler::add(std::unique_ptr<ServeSeq> seq) { waiting_.push_back(std::mov
 
 StepPlan Scheduler::schedule() {
   StepPlan plan;
+  // Pages completed by the last step join the prefix cache (with a draft, once its context covers them too).
+  for (auto& s : running_) {
+    const int32_t committed = with_draft_ ? std::min(s->n_cached, s->n_draft_ctx) : s->n_cached;
+    pool_.register_full_pages(s->tokens, committed, s->pages, &s->n_registered, &s->chain);
+  }
   // Decoding sequences need room for this step's rows; the most recently admitted
   // sequence gives its pages back until they fit (it may be the one asking).
   for (size_t i = 0; i < running_.size();) {
@@ -88,7 +92,7 @@ StepPlan Scheduler::schedule() {
   }
   while (!waiting_.empty() && static_cast<int>(running_.size()) < max_num_seqs_ && budget > 0) {
     ServeSeq& s = *waiting_.front();
-    if (!reserve(s, static_cast<int64_t>(s.tokens.size()) + block_)) break;  // first come, first served
+    if (!admit(s)) break;  // first come, first served
     s.admit_order = next_order_++;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();

@@ -10,7 +10,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "engine/page_allocator.h"
+#include "engine/page_pool.h"
 #include "engine/serving.h"
 
 namespace dflash {
@@ -22,7 +22,9 @@ struct ServeSeq {
   int32_t n_prompt = 0;
   int32_t n_cached = 0;          // target KV valid for positions 0..n_cached-1
   int32_t n_draft_ctx = 0;       // draft context KV valid for 0..n_draft_ctx-1
-  std::vector<int32_t> target_pages, draft_pages;
+  std::vector<int32_t> pages;    // page table, the same for the target and the draft context cache
+  int32_t n_registered = 0;      // leading pages registered in the prefix cache
+  uint64_t chain = 0;            // hash chain of those pages
   int32_t pending = -1;          // sampled and sent, not yet in the cache; -1 while prefilling
   int n_generated = 0;           // tokens sent to the client
   int max_tokens = 0;
@@ -56,8 +58,10 @@ class Scheduler {
   std::vector<ServeSeq*> all();                    // running then waiting
 
   int rows_for(const ServeSeq& s) const;           // decode rows of `s` this step
-  int pages_used() const { return target_.n_pages() - target_.n_free(); }
-  int n_pages() const { return target_.n_pages(); }
+  int pages_used() const { return pool_.n_in_use(); }
+  int pages_cached() const { return pool_.n_cached(); }
+  int64_t prefix_hit_pages() const { return pool_.n_hit_pages(); }
+  int n_pages() const { return pool_.n_pages(); }
   int n_running() const { return static_cast<int>(running_.size()); }
   int n_waiting() const { return static_cast<int>(waiting_.size()); }
   int64_t n_preempted() const { return n_preempted_; }
@@ -66,11 +70,12 @@ class Scheduler {
   int pages_for(int64_t n_positions) const;
 
  private:
-  bool reserve(ServeSeq& s, int64_t n_positions);  // both caches, or neither
+  bool reserve(ServeSeq& s, int64_t n_positions);
   void release(ServeSeq& s);
+  bool admit(ServeSeq& s);  // maps its cached prefix and reserves the rest, or changes nothing
   void preempt(ServeSeq& s);
 
-  PageAllocator target_, draft_;
+  PagePool pool_;
   bool with_draft_;
   int block_, max_num_seqs_, max_tokens_per_step_, max_positions_;
   std::vector<std::unique_ptr<ServeSeq>> running_;

@@ -99,6 +99,8 @@ struct ServingEngine::Impl {
       step();
       std::lock_guard<std::mutex> lk(mu);
       stats.kv_pages_used = sched->pages_used();
+      stats.kv_pages_cached = sched->pages_cached();
+      stats.prefix_hit_pages = sched->prefix_hit_pages();
       stats.n_running = sched->n_running();
       stats.n_waiting = sched->n_waiting();
       stats.n_preempted = sched->n_preempted();

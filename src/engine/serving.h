@@ -40,6 +40,8 @@ struct TokenEvent {
 
 struct ServingStats {
   int kv_pages_total = 0, kv_pages_used = 0;  // target cache (the draft cache mirrors it)
+  int kv_pages_cached = 0;                     // free, but holding a cached prefix
+  int64_t prefix_hit_pages = 0;                // pages mapped from the prefix cache instead of recomputed
   int n_running = 0, n_waiting = 0;
   int64_t n_finished = 0, n_preempted = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0, n_steps = 0;

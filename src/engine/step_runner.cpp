@@ -43,7 +43,7 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
       if (B < 2) continue;
       std::vector<int32_t> block(static_cast<size_t>(B), m_.draft->config().mask_token_id);
       block[0] = s.pending;
-      const int32_t first = db.add_sequence(block, s.n_cached, s.draft_pages, /*causal=*/false);
+      const int32_t first = db.add_sequence(block, s.n_cached, s.pages, /*causal=*/false);
       for (int j = 1; j < B; ++j) db.logit_rows.push_back(first + j);
       who.push_back(i);
     }
@@ -64,7 +64,7 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
   for (const auto& p : plan.prefills) {
     const ServeSeq& s = *p.seq;
     const std::vector<int32_t> chunk(s.tokens.begin() + s.n_cached, s.tokens.begin() + s.n_cached + p.n_tokens);
-    const int32_t first = tb.add_sequence(chunk, s.n_cached, s.target_pages);
+    const int32_t first = tb.add_sequence(chunk, s.n_cached, s.pages);
     first_rows.push_back(first);
     if (s.n_cached + p.n_tokens == static_cast<int32_t>(s.tokens.size())) tb.logit_rows.push_back(first + p.n_tokens - 1);
   }
@@ -72,7 +72,7 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
     const ServeSeq& s = *plan.decodes[i];
     std::vector<int32_t> block{s.pending};
     block.insert(block.end(), drafted[i].begin(), drafted[i].end());
-    const int32_t first = tb.add_sequence(block, s.n_cached, s.target_pages);
+    const int32_t first = tb.add_sequence(block, s.n_cached, s.pages);
     first_rows.push_back(first);
     for (size_t j = 0; j < block.size(); ++j) tb.logit_rows.push_back(first + static_cast<int32_t>(j));
   }
@@ -86,7 +86,7 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
   std::vector<int32_t> feature_rows;
   auto project = [&](ServeSeq& s, int32_t first_row, int32_t n) {
     if (!spec_) return;
-    pb.add_sequence(std::vector<int32_t>(static_cast<size_t>(n), 0), s.n_draft_ctx, s.draft_pages);
+    pb.add_sequence(std::vector<int32_t>(static_cast<size_t>(n), 0), s.n_draft_ctx, s.pages);
     for (int32_t r = 0; r < n; ++r) feature_rows.push_back(first_row + r);
     s.n_draft_ctx += n;
   };

@@ -83,6 +83,9 @@ std::string Metrics::render(const ServingStats& st, const std::string& model) co
         static_cast<double>(st.n_preempted));
   gauge("dflash_kv_pages_used", "gauge", "KV-cache pages in use", st.kv_pages_used);
   gauge("dflash_kv_pages_free", "gauge", "KV-cache pages free", st.kv_pages_total - st.kv_pages_used);
+  gauge("dflash_kv_pages_cached", "gauge", "free KV pages holding a cached prefix", st.kv_pages_cached);
+  gauge("dflash_prefix_cache_hit_pages_total", "counter", "KV pages reused from the prefix cache",
+        static_cast<double>(st.prefix_hit_pages));
   gauge("dflash_requests_running", "gauge", "sequences being decoded", st.n_running);
   gauge("dflash_requests_waiting", "gauge", "sequences waiting for admission", st.n_waiting);
   // Acceptance length: tokens produced per DFlash sequence-step (1 = no draft token accepted).

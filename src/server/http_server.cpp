@@ -132,6 +132,10 @@ struct HttpServer::Impl {
     svr.set_payload_max_length(opts.max_body_bytes);
     svr.set_read_timeout(opts.read_timeout_s, 0);
     svr.set_write_timeout(opts.read_timeout_s, 0);
+    // Idle keep-alive connections stay open longer than clients keep them pooled, so a client
+    // never reuses a connection the server has just closed.
+    svr.set_keep_alive_timeout(75);
+    svr.set_keep_alive_max_count(1000);
     const int n_threads = opts.n_threads;
     svr.new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
     svr.set_error_handler([this](const httplib::Request&, httplib::Response& res) {

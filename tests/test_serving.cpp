@@ -1,6 +1,7 @@
 // The serving engine: many concurrent requests decoded with continuous
 // batching give exactly what one-at-a-time generation gives (plain and DFlash),
-// also when KV pages run out and sequences are preempted and recomputed;
+// also when KV pages run out and sequences are preempted and recomputed, and
+// for sampled requests (equal to plain sampling with the same seed);
 // cancellation frees pages; requests that can never run are refused.
 #include <gtest/gtest.h>
 
@@ -57,8 +58,12 @@ Pair trained_pair() {
 }
 
 // Submits every prompt at once and compares with Engine::generate, prompt by prompt.
+// Sampled requests (prompt i with seed sampling->seed + i) are compared with plain
+// sampling under the match scheme (it commits exactly its tokens), and with
+// one-at-a-time DFlash under the rejection scheme.
 void expect_same_as_generate(const Pair& pair, SpeculativeMode mode, int max_tokens, int kv_pages,
-                             int max_num_seqs, int64_t* n_preempted = nullptr) {
+                             int max_num_seqs, int64_t* n_preempted = nullptr,
+                             const SamplingParams* sampling = nullptr, SpecSampling scheme = SpecSampling::Match) {
   EngineOptions eo;
   eo.model_dir = pair.target;
   eo.draft_dir = pair.draft;
@@ -68,6 +73,7 @@ void expect_same_as_generate(const Pair& pair, SpeculativeMode mode, int max_tok
   so.kv_pages = kv_pages;
   so.max_num_seqs = max_num_seqs;
   so.max_tokens_per_step = 64;  // prompts are prefilled in several chunks
+  so.spec_sampling = scheme;
   ServingEngine server(so);
   Collector col;
   std::vector<uint64_t> ids(pair.prompts.size());
@@ -77,6 +83,10 @@ void expect_same_as_generate(const Pair& pair, SpeculativeMode mode, int max_tok
       RequestParams rp;
       rp.prompt = pair.prompts[i];
       rp.max_tokens = max_tokens;
+      if (sampling) {
+        rp.sampling = *sampling;
+        rp.sampling.seed += i;
+      }
       ids[i] = server.submit(rp, col.callback_for(&ids[i]));
     }
   }
@@ -85,7 +95,12 @@ void expect_same_as_generate(const Pair& pair, SpeculativeMode mode, int max_tok
   for (size_t i = 0; i < pair.prompts.size(); ++i) {
     GenerateOptions go;
     go.max_tokens = max_tokens;
-    go.mode = mode;
+    go.mode = sampling && scheme == SpecSampling::Match ? SpeculativeMode::None : mode;
+    go.spec_sampling = scheme;
+    if (sampling) {
+      go.sampling = *sampling;
+      go.sampling.seed += i;
+    }
     const auto ref = engine.generate(pair.prompts[i], go);
     EXPECT_EQ(col.tokens[ids[i]], ref.tokens) << "prompt " << i;
     EXPECT_EQ(col.reasons[ids[i]], ref.stop_reason == "eos" ? "stop" : "length") << "prompt " << i;
@@ -113,6 +128,16 @@ TEST(Serving, PreemptionWhenPagesRunOutLosesNothing) {
   EXPECT_GT(preempted, 0) << "the test meant to exercise preemption did not preempt";
   expect_same_as_generate(trained_pair(), SpeculativeMode::None, 64, 12, 20, &preempted);
   EXPECT_GT(preempted, 0);
+}
+
+TEST(Serving, SampledDFlashRequestsEqualPlainSamplingAlsoWhenPreempted) {
+  const SamplingParams sp{0.8f, 0, 0.95f, 4242};
+  int64_t preempted = 0;
+  expect_same_as_generate(trained_pair(), SpeculativeMode::DFlash, 64, 24, 20, &preempted, &sp);
+  EXPECT_GT(preempted, 0);
+  // Rejection sampling: batched steps give what one sequence alone gives (no preemption:
+  // a recomputed prefill would sample a position that verification sampled before).
+  expect_same_as_generate(trained_pair(), SpeculativeMode::DFlash, 40, 0, 8, nullptr, &sp, SpecSampling::Rejection);
 }
 
 TEST(Serving, RepeatedPrefixesComeFromThePrefixCache) {
@@ -148,7 +173,9 @@ TEST(Serving, RepeatedPrefixesComeFromThePrefixCache) {
       go.mode = mode;
       EXPECT_EQ(col.tokens[id], engine.generate(prompt, go).tokens) << "request " << i;
       const int64_t hits = server.stats().prefix_hit_pages;
-      if (i > 1) EXPECT_GE(hits - hits_before, static_cast<int64_t>(system.size() / 4)) << "request " << i;
+      if (i > 1) {
+        EXPECT_GE(hits - hits_before, static_cast<int64_t>(system.size() / 4)) << "request " << i;
+      }
       hits_before = hits;
     }
     EXPECT_EQ(server.stats().kv_pages_used, 0);

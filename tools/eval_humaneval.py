@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Acceptance of a DFlash pair on the 164 HumanEval prompts, measured with the
 dflash binary: each prompt (the code inside the turn's code fence) is
-completed greedily, plain and with DFlash, and the two outputs must be equal.
+completed plainly and with DFlash, and the two outputs must be equal (greedy,
+or sampled with the match scheme and the same seed; the rejection scheme only
+keeps the distribution, so its outputs are not compared).
 Prints and writes mean tau, per-position acceptance rates and timings.
 
 Usage: eval_humaneval.py --dflash build/dflash [--model DIR --draft DIR] [--max-tokens 128]
                          [--block-size 16] [--limit N] [--out results.json]
+                         [--temperature T --top-p P --seed S --spec-sampling match|rejection]
 """
 import argparse
 import json
@@ -26,9 +29,10 @@ def prompts(path):
     return out
 
 
-def generate(a, prompt_file, speculative):
+def generate(a, prompt_file, speculative, seed):
     cmd = [a.dflash, "generate", "--prompt-file", prompt_file, "--max-tokens", str(a.max_tokens), "--json",
-           "--speculative", speculative]
+           "--speculative", speculative, "--temperature", str(a.temperature), "--top-p", str(a.top_p),
+           "--seed", str(seed), "--spec-sampling", a.spec_sampling]
     if a.model:
         cmd += ["--model", a.model]
     if a.draft and speculative == "dflash":
@@ -51,6 +55,10 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--limit", type=int)
     ap.add_argument("--out")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
+    ap.add_argument("--spec-sampling", choices=["match", "rejection"], default="match")
     a = ap.parse_args()
     items = prompts(a.data)[: a.limit]
     B = a.block_size
@@ -59,13 +67,13 @@ def main():
     t = {"plain_decode_ms": 0.0, "dflash_decode_ms": 0.0, "plain_tokens": 0, "dflash_tokens": 0}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for task_id, text in items:
+        for k, (task_id, text) in enumerate(items):
             f = os.path.join(tmp, "prompt.txt")
             with open(f, "w", encoding="utf-8") as fh:
                 fh.write(text)
-            plain = generate(a, f, "none")
-            spec = generate(a, f, "dflash")
-            if plain["tokens"] != spec["tokens"]:
+            plain = generate(a, f, "none", a.seed + k)
+            spec = generate(a, f, "dflash", a.seed + k)
+            if plain["tokens"] != spec["tokens"] and (a.temperature == 0 or a.spec_sampling == "match"):
                 mismatches.append(task_id)
             for i, n in enumerate(spec["acceptance_histogram"]):
                 hist[i] += n
@@ -78,7 +86,8 @@ def main():
     # Rate at draft position i: steps that accepted at least i drafted tokens.
     rates = [sum(hist[i:]) / steps for i in range(1, B)]
     res = {"prompts": len(items), "max_tokens": a.max_tokens, "block_size": B, "model": a.model or "bundled",
-           "draft": a.draft or "bundled", "tau": round(tau, 4), "steps": steps,
+           "draft": a.draft or "bundled", "temperature": a.temperature, "top_p": a.top_p,
+           "seed": a.seed, "spec_sampling": a.spec_sampling, "tau": round(tau, 4), "steps": steps,
            "acceptance_histogram": hist, "per_position_acceptance": [round(r, 4) for r in rates],
            "lossless_mismatches": mismatches,
            "plain_tok_per_s": round(1000 * t["plain_tokens"] / t["plain_decode_ms"], 1),

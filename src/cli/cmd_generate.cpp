@@ -1,4 +1,4 @@
-// `dflash generate`: one prompt, greedy, plain or DFlash; text or JSON output.
+// `dflash generate`: one prompt, greedy or sampled, plain or DFlash; text or JSON output.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -8,6 +8,7 @@
 #include "cli/bundled_models.h"
 #include "cli/commands.h"
 #include "engine/engine.h"
+#include "engine/sampling.h"
 #include "formats/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
@@ -21,6 +22,8 @@ struct GenerateArgs {
   std::string model, draft, speculative, prompt_ids, prompt, prompt_file, chat, device = "auto";
   int max_tokens = 128, block_size = 0, page_size = 16;
   bool json = false, enable_thinking = false;
+  SamplingParams sampling;
+  std::string spec_sampling = "match";
 };
 
 // The prompt as ids, plus the tokenizer when the prompt was text.
@@ -133,6 +136,17 @@ Command add_generate(CLI::App& app) {
   app.add_option("--block-size", a->block_size, "DFlash block size (default: the draft's)")->check(CLI::Range(2, 256));
   app.add_option("--page-size", a->page_size, "KV-cache page size in tokens")->check(CLI::Range(1, 4096));
   app.add_option("--device", a->device, "cpu, cuda, or auto (the GPU when one is present)")->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  app.add_option("--temperature", a->sampling.temperature, "sampling temperature; 0 (default) is greedy")
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--top-k", a->sampling.top_k, "keep the k most likely tokens when sampling (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--top-p", a->sampling.top_p, "nucleus sampling: keep the most likely tokens up to this mass")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--seed", a->sampling.seed, "random seed for sampling");
+  app.add_option("--spec-sampling", a->spec_sampling,
+                 "how DFlash verifies sampled drafts: match (draft argmax, accept while the target's sample agrees; "
+                 "output equals plain sampling with the same seed) or rejection (speculative rejection sampling)")
+      ->check(CLI::IsMember({"match", "rejection"}));
   app.add_flag("--json", a->json, "print one JSON object with tokens and statistics");
   return [a] {
     if (a->model.empty()) {
@@ -152,6 +166,8 @@ Command add_generate(CLI::App& app) {
     GenerateOptions go;
     go.max_tokens = a->max_tokens;
     go.mode = spec ? SpeculativeMode::DFlash : SpeculativeMode::None;
+    go.sampling = a->sampling;
+    go.spec_sampling = parse_spec_sampling(a->spec_sampling);
     if (!prompt.extra_eos.empty()) {
       go.eos_ids = engine.default_eos_ids();
       go.eos_ids.insert(go.eos_ids.end(), prompt.extra_eos.begin(), prompt.extra_eos.end());

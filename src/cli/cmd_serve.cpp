@@ -7,6 +7,7 @@
 
 #include "cli/bundled_models.h"
 #include "cli/commands.h"
+#include "engine/sampling.h"
 #include "engine/serving.h"
 #include "server/http_server.h"
 #include "util/error.h"
@@ -24,7 +25,7 @@ Command add_serve(CLI::App& app) {
   struct Args {
     ServingOptions so;
     server::ServerOptions http;
-    std::string model, draft, speculative, device = "auto";
+    std::string model, draft, speculative, device = "auto", spec_sampling = "match";
     int page_size = 16, block_size = 0;
   };
   auto a = std::make_shared<Args>();
@@ -33,6 +34,10 @@ Command add_serve(CLI::App& app) {
   app.add_option("--draft", a->draft, "DFlash draft directory; enables DFlash by default");
   app.add_option("--speculative", a->speculative, "dflash | none (default: dflash when a draft is given)")
       ->check(CLI::IsMember({"none", "dflash"}));
+  app.add_option("--spec-sampling", a->spec_sampling,
+                 "how DFlash verifies drafts of sampled requests: match (output equals plain sampling with the same "
+                 "seed) or rejection (speculative rejection sampling)")
+      ->check(CLI::IsMember({"match", "rejection"}));
   app.add_option("--host", a->http.host, "address to bind (default 127.0.0.1)");
   app.add_option("--port", a->http.port, "port (0: any free port)")->check(CLI::Range(0, 65535));
   app.add_option("--max-num-seqs", a->so.max_num_seqs, "sequences decoded together")->check(CLI::Range(1, 4096));
@@ -63,6 +68,7 @@ Command add_serve(CLI::App& app) {
     so.engine.page_size = a->page_size;
     so.engine.block_size = a->block_size;
     so.mode = so.engine.draft_dir.empty() ? SpeculativeMode::None : SpeculativeMode::DFlash;
+    so.spec_sampling = parse_spec_sampling(a->spec_sampling);
     server::ServerOptions http = a->http;
     http.tokenizer_dir = a->model;
     if (http.model_name.empty()) http.model_name = std::filesystem::path(a->model).lexically_normal().filename().string();

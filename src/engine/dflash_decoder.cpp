@@ -1,10 +1,12 @@
-// Greedy DFlash speculative decoding for one sequence (DFLASH.md sections 3-4).
-// Output is identical to plain greedy decoding: every committed token is the
-// target's own argmax, and the CPU backend computes each row independently of
-// the batch it is in.
+// DFlash speculative decoding for one sequence (DFLASH.md sections 3-5).
+// Greedy output is identical to plain greedy decoding: every committed token is
+// the target's own argmax, and the backends compute each row independently of
+// the batch it is in. Sampled output with the match scheme is identical to plain
+// sampling with the same seed; the rejection scheme keeps the target's distribution.
 #include <algorithm>
 
 #include "engine/sequence.h"
+#include "engine/verification.h"
 #include "util/error.h"
 
 namespace dflash {
@@ -43,7 +45,7 @@ void run_dflash(DecodeContext& ctx) {
   prefill.logit_rows = {n_prompt - 1};
   auto out = ctx.target.forward(prefill, ctx.target_cache, layer_ids);
   seq.n_cached = n_prompt;
-  seq.pending = ctx.be.argmax_rows(out.logits)[0];
+  seq.pending = ctx.pick(out.logits, n_prompt)[0];
   project_context(ctx, out.captured, n_prompt, 0);
   st.prefill_ms = ms_since(t0);
   ctx.emit(seq.pending);
@@ -64,13 +66,16 @@ void run_dflash(DecodeContext& ctx) {
     auto td = Clock::now();
     std::vector<int32_t> block(static_cast<size_t>(B), dc.mask_token_id);
     block[0] = seq.pending;
-    std::vector<int32_t> drafted;
+    const SamplingParams* sp = &ctx.opts.sampling;
+    DraftChoice draft;
     if (B > 1) {
       ForwardBatch db(ctx.draft_pages->page_size());
       db.add_sequence(block, s, seq.draft_pages, /*causal=*/false);
       for (int i = 1; i < B; ++i) db.logit_rows.push_back(i);
-      drafted = ctx.be.argmax_rows(ctx.draft->forward_block(db, *ctx.draft_cache));
+      const Tensor logits = ctx.draft->forward_block(db, *ctx.draft_cache);
+      draft = std::move(choose_draft_tokens(ctx.be, logits, {{sp, 0, B - 1, s + 1}}, ctx.opts.spec_sampling)[0]);
     }
+    const std::vector<int32_t>& drafted = draft.tokens;
     st.draft_ms += ms_since(td);
 
     // Verify: target over [t_s, d_1..d_{B-1}], causal, capturing features.
@@ -80,16 +85,15 @@ void run_dflash(DecodeContext& ctx) {
     vb.add_sequence(block, s, seq.target_pages);
     for (int i = 0; i < B; ++i) vb.logit_rows.push_back(i);
     out = ctx.target.forward(vb, ctx.target_cache, layer_ids);
-    const std::vector<int32_t> g = ctx.be.argmax_rows(out.logits);
-    int a = 0;
-    while (a < B - 1 && drafted[a] == g[a]) ++a;
+    const BlockResult verdict = verify_blocks(ctx.be, out.logits, {{sp, 0, s + 1, &draft}}, ctx.opts.spec_sampling)[0];
+    const int a = verdict.accepted;
     st.verify_ms += ms_since(tv);
 
     // Commit t_s, d_1..d_a; rows beyond a are dropped by not counting them.
     seq.tokens.insert(seq.tokens.end(), block.begin(), block.begin() + a + 1);
     seq.n_cached = s + a + 1;
     project_context(ctx, out.captured, a + 1, s);
-    seq.pending = g[a];
+    seq.pending = verdict.next;
     st.n_steps += 1;
     st.acceptance_histogram[a] += 1;
     for (int i = 0; i < a && !ctx.done; ++i) ctx.emit(drafted[i]);

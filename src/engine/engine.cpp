@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "engine/model_set.h"
+#include "engine/sampling.h"
 #include "engine/sequence.h"
 #include "kernels/backend.h"
 #include "model/dflash_draft.h"
@@ -32,6 +33,7 @@ GenerationResult Engine::generate(const std::vector<int32_t>& prompt, const Gene
   const ModelConfig& cfg = impl_->m.target->config();
   check(!prompt.empty(), "the prompt is empty");
   check(opts.max_tokens > 0, "max_tokens must be positive, got ", opts.max_tokens);
+  validate(opts.sampling);
   for (size_t i = 0; i < prompt.size(); ++i) {
     check(prompt[i] >= 0 && prompt[i] < cfg.n_vocab, "prompt token ", i, " (id ", prompt[i],
           ") is outside the vocabulary 0..", cfg.n_vocab - 1);

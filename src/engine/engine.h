@@ -1,5 +1,5 @@
 // Public API of the engine: load a target (and optionally a DFlash draft) and
-// generate greedily for one sequence, plainly or with DFlash speculation.
+// generate for one sequence (greedy or sampled), plainly or with DFlash speculation.
 // The CLI and, later, the server include only this header.
 #pragma once
 
@@ -14,6 +14,21 @@ namespace dflash {
 
 enum class SpeculativeMode { None, DFlash };
 
+// Token choice; details and the random streams in engine/sampling.h.
+struct SamplingParams {
+  float temperature = 0;  // 0: greedy
+  int top_k = 0;          // 0: off
+  float top_p = 1;        // 1: off
+  uint64_t seed = 0;
+  bool greedy() const { return temperature <= 0; }
+};
+
+// How DFlash verifies drafts when sampling (DFLASH.md section 5).
+enum class SpecSampling {
+  Match,      // draft by argmax; accept while the target's own sample equals the draft token
+  Rejection,  // draft samples from q; accept with min(1, p/q), resample from max(0, p - q)
+};
+
 struct EngineOptions {
   std::string model_dir;
   std::string draft_dir;   // empty: no draft
@@ -27,6 +42,8 @@ struct GenerateOptions {
   SpeculativeMode mode = SpeculativeMode::None;
   std::vector<int32_t> eos_ids;  // empty: the model's generation_config / config
   bool use_default_eos = true;   // false with empty eos_ids: never stop on a token
+  SamplingParams sampling;       // greedy by default
+  SpecSampling spec_sampling = SpecSampling::Match;
 };
 
 struct GenerationStats {

@@ -1,4 +1,5 @@
-// Plain greedy decoding: prefill, then one target forward per token.
+// Plain decoding: prefill, then one target forward per token.
+#include "engine/sampling.h"
 #include "engine/sequence.h"
 #include "util/error.h"
 
@@ -14,6 +15,13 @@ bool DecodeContext::emit(int32_t token) {
     done = true;
   }
   return done;
+}
+
+std::vector<int32_t> DecodeContext::pick(const Tensor& logits, int64_t first_position) {
+  std::vector<const SamplingParams*> params(static_cast<size_t>(logits.rows), &opts.sampling);
+  std::vector<int64_t> positions(params.size());
+  for (size_t r = 0; r < positions.size(); ++r) positions[r] = first_position + static_cast<int64_t>(r);
+  return pick_tokens(be, logits, params, positions);
 }
 
 void reserve_or_throw(PageAllocator& pages, std::vector<int32_t>& table, int64_t n_positions) {
@@ -33,7 +41,7 @@ void run_plain(DecodeContext& ctx) {
   prefill.logit_rows = {prefill.n_rows() - 1};
   auto out = ctx.target.forward(prefill, ctx.target_cache);
   seq.n_cached = prefill.n_rows();
-  seq.pending = ctx.be.argmax_rows(out.logits)[0];
+  seq.pending = ctx.pick(out.logits, seq.n_cached)[0];
   st.prefill_ms = ms_since(t0);
   ctx.emit(seq.pending);
 
@@ -50,7 +58,7 @@ void run_plain(DecodeContext& ctx) {
     out = ctx.target.forward(step, ctx.target_cache);
     seq.tokens.push_back(seq.pending);
     seq.n_cached += 1;
-    seq.pending = ctx.be.argmax_rows(out.logits)[0];
+    seq.pending = ctx.pick(out.logits, seq.n_cached)[0];
     st.n_steps += 1;
     ctx.emit(seq.pending);
   }

@@ -29,6 +29,7 @@ struct ServeSeq {
   int n_generated = 0;           // tokens sent to the client
   int max_tokens = 0;
   std::unordered_set<int32_t> eos;
+  SamplingParams sampling;
   int64_t admit_order = 0;       // larger = admitted later (preempted first)
 
   bool prefilling() const { return pending < 0; }

@@ -40,6 +40,9 @@ struct DecodeContext {
 
   // Appends a generated token; true when generation must stop after it.
   bool emit(int32_t token);
+  // The target's token choice (greedy or sampled) for each logits row; row r
+  // chooses the token at position first_position + r.
+  std::vector<int32_t> pick(const Tensor& logits, int64_t first_position);
   bool done = false;
 };
 
@@ -51,7 +54,7 @@ inline double ms_since(Clock::time_point t0) {
 // Reserves pages so that `table` covers n_positions or throws (the caller sized the pool).
 void reserve_or_throw(PageAllocator& pages, std::vector<int32_t>& table, int64_t n_positions);
 
-void run_plain(DecodeContext& ctx);   // greedy, one token per target forward
-void run_dflash(DecodeContext& ctx);  // greedy DFlash speculative decoding
+void run_plain(DecodeContext& ctx);   // one token per target forward
+void run_dflash(DecodeContext& ctx);  // DFlash speculative decoding (greedy or sampled)
 
 }  // namespace dflash

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "engine/model_set.h"
+#include "engine/sampling.h"
 #include "engine/scheduler.h"
 #include "engine/step_runner.h"
 #include "util/error.h"
@@ -44,7 +45,7 @@ struct ServingEngine::Impl {
       check(n_pages > 0, "--gpu-memory-fraction ", o.gpu_memory_fraction, " of ", free_b >> 20,
             " MiB free leaves no room for one KV page");
     }
-    runner = std::make_unique<StepRunner>(m, spec, n_pages);
+    runner = std::make_unique<StepRunner>(m, spec, o.spec_sampling, n_pages);
     sched = std::make_unique<Scheduler>(n_pages, m.page_size, spec, block, o.max_num_seqs, o.max_tokens_per_step,
                                         c.max_positions);
     stats.kv_pages_total = n_pages;
@@ -159,6 +160,7 @@ uint64_t ServingEngine::submit(RequestParams p, Callback on_event) {
   const ModelConfig& c = impl_->m.target->config();
   check(!p.prompt.empty(), "the prompt is empty");
   check(p.max_tokens > 0, "max_tokens must be positive, got ", p.max_tokens);
+  validate(p.sampling);
   for (size_t i = 0; i < p.prompt.size(); ++i) {
     check(p.prompt[i] >= 0 && p.prompt[i] < c.n_vocab, "prompt token ", i, " (id ", p.prompt[i],
           ") is outside the vocabulary 0..", c.n_vocab - 1);
@@ -178,6 +180,7 @@ uint64_t ServingEngine::submit(RequestParams p, Callback on_event) {
   s->max_tokens = p.max_tokens;
   s->eos.insert(impl_->m.eos_ids.begin(), impl_->m.eos_ids.end());
   s->eos.insert(p.extra_eos.begin(), p.extra_eos.end());
+  s->sampling = p.sampling;
   s->on_event = std::move(on_event);
   uint64_t id;
   {

@@ -19,6 +19,7 @@ namespace dflash {
 struct ServingOptions {
   EngineOptions engine;           // model, draft, device, page size, block size
   SpeculativeMode mode = SpeculativeMode::DFlash;  // None when there is no draft
+  SpecSampling spec_sampling = SpecSampling::Match;  // how sampled requests verify drafts
   int max_num_seqs = 32;          // sequences decoded together
   int kv_pages = 0;               // KV pages per cache (target and draft); 0: enough for max_num_seqs full contexts, capped
   int max_tokens_per_step = 2048; // rows per target forward (prefill chunks + decode/verify rows)
@@ -29,6 +30,7 @@ struct RequestParams {
   std::vector<int32_t> prompt;
   int max_tokens = 16;
   std::vector<int32_t> extra_eos;  // besides the model's default EOS ids (e.g. a chat template's end of turn)
+  SamplingParams sampling;         // greedy by default
 };
 
 struct TokenEvent {

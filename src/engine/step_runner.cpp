@@ -2,12 +2,13 @@
 
 #include <algorithm>
 
+#include "engine/verification.h"
 #include "util/error.h"
 
 namespace dflash {
 
-StepRunner::StepRunner(ModelSet& m, bool speculative, int n_pages)
-    : m_(m), spec_(speculative), block_(speculative ? m.block_size : 1) {
+StepRunner::StepRunner(ModelSet& m, bool speculative, SpecSampling scheme, int n_pages)
+    : m_(m), spec_(speculative), scheme_(scheme), block_(speculative ? m.block_size : 1) {
   check(!speculative || m.draft, "DFlash serving needs a draft model (--draft)");
   target_cache_ = m.target->alloc_cache(n_pages, m.page_size);
   if (spec_) draft_cache_ = m.draft->alloc_cache(n_pages, m.page_size);
@@ -33,10 +34,11 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
   std::vector<SeqOutput> outs;
 
   // 1. Draft blocks [t, M, ..., M] for the decoding sequences (DFlash only).
-  std::vector<std::vector<int32_t>> drafted(plan.decodes.size());
+  std::vector<DraftChoice> drafted(plan.decodes.size());
   if (spec_) {
     ForwardBatch db(page_size);
     std::vector<size_t> who;
+    std::vector<DraftRows> rows;
     for (size_t i = 0; i < plan.decodes.size(); ++i) {
       const ServeSeq& s = *plan.decodes[i];
       const int B = sched.rows_for(s);
@@ -44,42 +46,44 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
       std::vector<int32_t> block(static_cast<size_t>(B), m_.draft->config().mask_token_id);
       block[0] = s.pending;
       const int32_t first = db.add_sequence(block, s.n_cached, s.pages, /*causal=*/false);
+      rows.push_back({&s.sampling, static_cast<int32_t>(db.logit_rows.size()), B - 1, s.n_cached + 1});
       for (int j = 1; j < B; ++j) db.logit_rows.push_back(first + j);
       who.push_back(i);
     }
     if (!who.empty()) {
-      const std::vector<int32_t> ids = m_.be->argmax_rows(m_.draft->forward_block(db, draft_cache_));
-      size_t k = 0;
-      for (size_t i : who) {
-        const int B = sched.rows_for(*plan.decodes[i]);
-        drafted[i].assign(ids.begin() + static_cast<std::ptrdiff_t>(k), ids.begin() + static_cast<std::ptrdiff_t>(k + B - 1));
-        k += B - 1;
-      }
+      auto choices = choose_draft_tokens(*m_.be, m_.draft->forward_block(db, draft_cache_), rows, scheme_);
+      for (size_t k = 0; k < who.size(); ++k) drafted[who[k]] = std::move(choices[k]);
     }
   }
 
   // 2. One target forward: prefill chunks, then each decoding sequence's rows.
+  // Each finished prefill and each decoding sequence is a block to verify (a prefill's has no draft).
   ForwardBatch tb(page_size);
   std::vector<int32_t> first_rows;
+  std::vector<VerifyBlock> blocks;
   for (const auto& p : plan.prefills) {
     const ServeSeq& s = *p.seq;
     const std::vector<int32_t> chunk(s.tokens.begin() + s.n_cached, s.tokens.begin() + s.n_cached + p.n_tokens);
     const int32_t first = tb.add_sequence(chunk, s.n_cached, s.pages);
     first_rows.push_back(first);
-    if (s.n_cached + p.n_tokens == static_cast<int32_t>(s.tokens.size())) tb.logit_rows.push_back(first + p.n_tokens - 1);
+    if (s.n_cached + p.n_tokens == static_cast<int32_t>(s.tokens.size())) {
+      blocks.push_back({&s.sampling, static_cast<int32_t>(tb.logit_rows.size()), s.n_cached + p.n_tokens, nullptr});
+      tb.logit_rows.push_back(first + p.n_tokens - 1);
+    }
   }
   for (size_t i = 0; i < plan.decodes.size(); ++i) {
     const ServeSeq& s = *plan.decodes[i];
     std::vector<int32_t> block{s.pending};
-    block.insert(block.end(), drafted[i].begin(), drafted[i].end());
+    block.insert(block.end(), drafted[i].tokens.begin(), drafted[i].tokens.end());
     const int32_t first = tb.add_sequence(block, s.n_cached, s.pages);
     first_rows.push_back(first);
+    blocks.push_back({&s.sampling, static_cast<int32_t>(tb.logit_rows.size()), s.n_cached + 1, &drafted[i]});
     for (size_t j = 0; j < block.size(); ++j) tb.logit_rows.push_back(first + static_cast<int32_t>(j));
   }
   if (tb.n_rows() == 0) return outs;
   const std::vector<int> no_capture;
   auto out = m_.target->forward(tb, target_cache_, spec_ ? m_.draft->config().target_layer_ids : no_capture);
-  const std::vector<int32_t> g = m_.be->argmax_rows(out.logits);
+  const std::vector<BlockResult> results = verify_blocks(*m_.be, out.logits, blocks, scheme_);
 
   // 3. Commit: prefill progress, acceptance per sequence; rows to project into the draft context.
   ForwardBatch pb(page_size);
@@ -90,7 +94,7 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
     for (int32_t r = 0; r < n; ++r) feature_rows.push_back(first_row + r);
     s.n_draft_ctx += n;
   };
-  size_t next_logit = 0, row_idx = 0;
+  size_t next_block = 0, row_idx = 0;
   for (const auto& p : plan.prefills) {
     ServeSeq& s = *p.seq;
     project(s, first_rows[row_idx++], p.n_tokens);
@@ -98,25 +102,23 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
     c.prompt_tokens += p.n_tokens;
     if (s.n_cached < static_cast<int32_t>(s.tokens.size())) continue;
     SeqOutput o{&s, {}, {}};
-    s.pending = g[next_logit++];
+    s.pending = results[next_block++].next;
     emit(o, s.pending);
     outs.push_back(std::move(o));
   }
   for (size_t i = 0; i < plan.decodes.size(); ++i) {
     ServeSeq& s = *plan.decodes[i];
-    const auto& d = drafted[i];
+    const auto& d = drafted[i].tokens;
     const int32_t s0 = s.n_cached;
-    const int32_t* gi = &g[next_logit];
-    next_logit += d.size() + 1;
-    int a = 0;
-    while (a < static_cast<int>(d.size()) && d[a] == gi[a]) ++a;
+    const BlockResult& r = results[next_block++];
+    const int a = r.accepted;
     s.tokens.push_back(s.pending);
     s.tokens.insert(s.tokens.end(), d.begin(), d.begin() + a);
     s.n_cached = s0 + a + 1;
     project(s, first_rows[row_idx++], a + 1);
     SeqOutput o{&s, {}, {}};
     for (int j = 0; j < a; ++j) emit(o, d[j]);
-    s.pending = gi[a];
+    s.pending = r.next;
     emit(o, s.pending);
     if (spec_) {
       ++c.dflash_seq_steps;

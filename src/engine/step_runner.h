@@ -28,13 +28,14 @@ struct StepCounters {
 
 class StepRunner {
  public:
-  StepRunner(ModelSet& m, bool speculative, int n_pages);
+  StepRunner(ModelSet& m, bool speculative, SpecSampling scheme, int n_pages);
   std::vector<SeqOutput> run(const StepPlan& plan, const Scheduler& sched, StepCounters& counters);
   int block() const { return block_; }
 
  private:
   ModelSet& m_;
   bool spec_;
+  SpecSampling scheme_;
   int block_;
   KvCache target_cache_, draft_cache_;
 };

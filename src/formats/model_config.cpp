@@ -239,6 +239,7 @@ GenerationConfig parse_generation_config(const json& j, const std::string& where
   if (f.has("top_p")) g.top_p = f.number("top_p");
   if (f.has("top_k")) g.top_k = static_cast<int>(f.integer("top_k"));
   if (f.has("max_new_tokens")) g.max_new_tokens = static_cast<int>(f.integer("max_new_tokens"));
+  if (f.has("do_sample")) g.do_sample = f.boolean("do_sample", false);
   return g;
 }
 

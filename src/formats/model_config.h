@@ -56,6 +56,7 @@ struct GenerationConfig {
   std::optional<int> bos_token_id;
   std::optional<double> temperature, top_p;
   std::optional<int> top_k, max_new_tokens;
+  std::optional<bool> do_sample;
 };
 
 bool is_draft_architecture(const std::string& arch);

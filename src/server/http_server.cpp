@@ -6,8 +6,11 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <random>
 
+#include "engine/sampling.h"
 #include "formats/chat_template.h"
+#include "formats/model_config.h"
 #include "server/metrics.h"
 #include "server/openai_protocol.h"
 #include "server/text_stream.h"
@@ -96,6 +99,13 @@ struct HttpServer::Impl {
   Metrics metrics;
   httplib::Server svr;
   std::atomic<uint64_t> next_id{1};
+  std::mutex seed_mu;
+  std::mt19937_64 seed_gen{std::random_device{}()};
+  // A fresh seed for a sampled request that names none.
+  uint64_t seeds() {
+    std::lock_guard<std::mutex> lk(seed_mu);
+    return seed_gen();
+  }
   const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
                               std::chrono::system_clock::now().time_since_epoch()).count();
 
@@ -109,6 +119,7 @@ struct HttpServer::Impl {
     ctx.chat_template = chat_template.get();
     ctx.model_name = o.model_name;
     ctx.max_positions = e.target_config().max_positions;
+    ctx.default_sampling = default_sampling(load_generation_config(o.tokenizer_dir));
     if (chat_template && chat_template->eos_token()) {
       if (auto id = tokenizer.token_to_id(*chat_template->eos_token())) ctx.chat_eos.push_back(*id);
     }
@@ -201,6 +212,8 @@ struct HttpServer::Impl {
     rp.prompt = cr.prompt_ids;
     rp.max_tokens = cr.max_tokens;
     rp.extra_eos = cr.extra_eos;
+    rp.sampling = cr.sampling;
+    if (!cr.has_seed) rp.sampling.seed = seeds();
     try {
       auto channel = gen->channel;
       gen->engine_id = engine.submit(rp, [channel](const TokenEvent& e) { channel->push(e); });

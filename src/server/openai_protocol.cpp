@@ -23,7 +23,7 @@ namespace {
 const std::set<std::string> kCommonFields = {"model",  "max_tokens", "temperature",       "top_p",
                                              "n",      "stream",     "stream_options",    "stop",
                                              "seed",   "user",       "frequency_penalty", "presence_penalty",
-                                             "logit_bias", "logprobs"};
+                                             "logit_bias", "logprobs",   "top_k"};
 const std::set<std::string> kCompletionFields = {"prompt", "echo", "best_of", "suffix"};
 const std::set<std::string> kChatFields = {"messages", "max_completion_tokens", "tools", "tool_choice",
                                            "parallel_tool_calls", "top_logprobs", "response_format",
@@ -33,6 +33,11 @@ const std::set<std::string> kChatFields = {"messages", "max_completion_tokens", 
 void require_neutral(const json& b, const std::string& key, const json& neutral, const std::string& why) {
   if (!b.contains(key) || b[key].is_null() || b[key] == neutral) return;
   bad(key, "'" + key + "' = " + b[key].dump() + " is not supported: " + why);
+}
+
+double number_field(const json& b, const std::string& key) {
+  if (!b[key].is_number()) bad(key, "'" + key + "' must be a number, got " + b[key].dump());
+  return b[key].get<double>();
 }
 
 int int_field(const json& b, const std::string& key) {
@@ -106,17 +111,34 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
       bad(k, "unknown field '" + k + "'");
   }
   const json j = json(b);  // unordered view for lookups
+  CompletionRequest r;
   if (j.contains("model") && !j["model"].is_string()) bad("model", "'model' must be a string");
   if (j.contains("model") && j["model"] != ctx.model_name)
     throw ApiError(404, "the model '" + j["model"].get<std::string>() + "' does not exist; this server serves '" +
                             ctx.model_name + "'", "model", "not_found_error");
+  r.sampling = ctx.default_sampling;
   if (j.contains("temperature") && !j["temperature"].is_null()) {
-    if (!j["temperature"].is_number()) bad("temperature", "'temperature' must be a number");
-    if (j["temperature"].get<double>() != 0.0)
-      bad("temperature", "temperature " + j["temperature"].dump() + " is not supported yet: decoding is greedy (use 0)");
+    const double t = number_field(j, "temperature");
+    if (t < 0 || t > 2) bad("temperature", "'temperature' must be in 0..2, got " + j["temperature"].dump());
+    r.sampling.temperature = static_cast<float>(t);
   }
-  if (j.contains("seed") && !j["seed"].is_null() && !j["seed"].is_number_integer()) bad("seed", "'seed' must be an integer");
-  require_neutral(j, "top_p", 1, "decoding is greedy");
+  if (j.contains("top_p") && !j["top_p"].is_null()) {
+    const double p = number_field(j, "top_p");
+    if (!(p > 0 && p <= 1)) bad("top_p", "'top_p' must be in (0, 1], got " + j["top_p"].dump());
+    r.sampling.top_p = static_cast<float>(p);
+  }
+  if (j.contains("top_k") && !j["top_k"].is_null()) {
+    const json& k = j["top_k"];
+    if (!k.is_number_integer() || k.get<int64_t>() < -1 || k.get<int64_t>() > (int64_t{1} << 30))
+      bad("top_k", "'top_k' must be an integer: -1 or 0 (off) or a positive count, got " + k.dump());
+    r.sampling.top_k = std::max(0, k.get<int>());
+  }
+  if (j.contains("seed") && !j["seed"].is_null()) {
+    if (!j["seed"].is_number_integer()) bad("seed", "'seed' must be an integer");
+    r.sampling.seed = j["seed"].is_number_unsigned() ? j["seed"].get<uint64_t>()
+                                                     : static_cast<uint64_t>(j["seed"].get<int64_t>());
+    r.has_seed = true;
+  }
   require_neutral(j, "n", 1, "one choice per request");
   require_neutral(j, "frequency_penalty", 0, "penalties are not implemented");
   require_neutral(j, "presence_penalty", 0, "penalties are not implemented");
@@ -131,7 +153,6 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
       j["response_format"] != json{{"type", "text"}})
     bad("response_format", "only response_format {\"type\": \"text\"} is supported");
 
-  CompletionRequest r;
   r.chat = chat;
   if (j.contains("stream") && !j["stream"].is_null()) {
     if (!j["stream"].is_boolean()) bad("stream", "'stream' must be a boolean");

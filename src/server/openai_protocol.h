@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/engine.h"
 #include "formats/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -34,6 +35,7 @@ struct ProtocolContext {
   std::string model_name;
   int max_positions = 0;                        // the model's context
   std::vector<int32_t> chat_eos;                // the chat template's end-of-turn token
+  SamplingParams default_sampling;              // for fields a request leaves out (generation_config.json)
 };
 
 struct CompletionRequest {
@@ -43,6 +45,8 @@ struct CompletionRequest {
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
   std::vector<int32_t> extra_eos;
+  SamplingParams sampling;                      // seed meaningful only when has_seed
+  bool has_seed = false;
 };
 
 // Throws ApiError (400) naming the field for anything malformed or unsupported.

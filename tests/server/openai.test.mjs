@@ -1,6 +1,6 @@
 // Black-box tests of `dflash serve` on the bundled pair (CPU), with the
-// official OpenAI Node SDK as the client: greedy responses equal
-// `dflash generate`, streaming equals non-streaming, 32 concurrent streaming
+// official OpenAI Node SDK as the client: greedy and seeded sampled responses
+// equal `dflash generate`, streaming equals non-streaming, 32 concurrent streaming
 // clients get their sequential outputs, bad input gets a clear 4xx while the
 // server keeps serving, and a client that disconnects frees its KV pages.
 //
@@ -174,6 +174,25 @@ async function post(path, body, headers = { 'Content-Type': 'application/json' }
   return { status: res.status, body: text };
 }
 
+test('sampled completions with a seed equal dflash generate with that seed (match scheme = plain sampling)', async () => {
+  for (const [i, prompt] of PROMPTS.slice(0, 2).entries()) {
+    const params = { temperature: 0.8, top_p: 0.95, seed: 11 + i };
+    const ref = generate(['--prompt', prompt, '--max-tokens', '32', '--speculative', 'none', '--temperature', '0.8',
+                          '--top-p', '0.95', '--seed', String(params.seed)]);
+    const r = await client.completions.create({ model: MODEL, prompt, max_tokens: 32, ...params });
+    assert.equal(r.choices[0].text, ref.text, `prompt ${JSON.stringify(prompt)}`);
+    const s = await streamText(client, { model: MODEL, prompt, max_tokens: 32, ...params });
+    assert.equal(s.text, ref.text);
+  }
+  // Without a seed, each request draws its own: 4 samples of a long continuation are not all equal.
+  const texts = new Set();
+  for (let k = 0; k < 4; ++k) {
+    const r = await client.completions.create({ model: MODEL, prompt: PROMPTS[0], max_tokens: 24, temperature: 1.0 });
+    texts.add(r.choices[0].text);
+  }
+  assert.ok(texts.size > 1, 'unseeded sampled requests all gave the same text');
+});
+
 test('bad input gets a clear 4xx in OpenAI error shape, and the server keeps serving', async () => {
   const longPrompt = 'x = 1\n'.repeat(3000);
   const cases = [
@@ -186,7 +205,9 @@ test('bad input gets a clear 4xx in OpenAI error shape, and the server keeps ser
     ['max_tokens <= 0', JSON.stringify({ model: MODEL, prompt: 'a', max_tokens: 0 }), 400, /positive/],
     ['absurd max_tokens', JSON.stringify({ model: MODEL, prompt: 'a', max_tokens: 1e12 }), 400, /max_tokens/],
     ['max_tokens beyond the context', JSON.stringify({ model: MODEL, prompt: 'a', max_tokens: 5000 }), 400, /context/],
-    ['temperature', JSON.stringify({ model: MODEL, prompt: 'a', temperature: 0.8 }), 400, /greedy/],
+    ['temperature out of range', JSON.stringify({ model: MODEL, prompt: 'a', temperature: 3 }), 400, /temperature/],
+    ['top_p of 0', JSON.stringify({ model: MODEL, prompt: 'a', top_p: 0 }), 400, /top_p/],
+    ['top_k not an integer', JSON.stringify({ model: MODEL, prompt: 'a', top_k: 2.5 }), 400, /top_k/],
     ['n = 2', JSON.stringify({ model: MODEL, prompt: 'a', n: 2 }), 400, /'n'/],
     ['unknown model', JSON.stringify({ model: 'gpt-9', prompt: 'a' }), 404, /does not exist/],
     ['bad messages', JSON.stringify({ model: MODEL, messages: 'hi' }), 400, /messages/],

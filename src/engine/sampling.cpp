@@ -1,0 +1,149 @@
+#include "engine/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "util/error.h"
+
+namespace dflash {
+
+void validate(const SamplingParams& p) {
+  check(std::isfinite(p.temperature) && p.temperature >= 0 && p.temperature <= 100,
+        "temperature must be in 0..100, got ", p.temperature);
+  check(p.top_k >= 0, "top_k must be 0 (off) or positive, got ", p.top_k);
+  check(std::isfinite(p.top_p) && p.top_p > 0 && p.top_p <= 1, "top_p must be in (0, 1], got ", p.top_p);
+}
+
+SamplingParams default_sampling(const GenerationConfig& g) {
+  SamplingParams p;
+  if (!g.do_sample.value_or(false)) return p;
+  p.temperature = static_cast<float>(g.temperature.value_or(1.0));
+  p.top_k = g.top_k.value_or(50);
+  p.top_p = static_cast<float>(g.top_p.value_or(1.0));
+  return p;
+}
+
+SpecSampling parse_spec_sampling(const std::string& s) {
+  if (s == "match") return SpecSampling::Match;
+  if (s == "rejection") return SpecSampling::Rejection;
+  throw Error(cat("unknown speculative sampling scheme '", s, "' (match | rejection)"));
+}
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Keeps the most probable tokens while the mass before each is below top_p
+// (Hugging Face's TopPLogitsWarper), zeroing the rest. probs sum to 1.
+void apply_top_p(std::vector<float>& probs, float top_p) {
+  const auto n = static_cast<int64_t>(probs.size());
+  std::vector<int32_t> idx(probs.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  auto by_prob = [&](int32_t a, int32_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); };
+  // Most distributions are concentrated: sort a short head first, the whole vocabulary only if needed.
+  int64_t kept = 0;
+  for (int64_t m = std::min<int64_t>(64, n);; m = std::min<int64_t>(m * 16, n)) {
+    std::partial_sort(idx.begin(), idx.begin() + m, idx.end(), by_prob);
+    double before = 0;
+    kept = 0;
+    while (kept < m && before < top_p) before += probs[idx[kept++]];
+    if (before >= top_p || m == n) break;
+  }
+  std::vector<float> out(probs.size(), 0.0f);
+  double total = 0;
+  for (int64_t i = 0; i < kept; ++i) total += probs[idx[i]];
+  for (int64_t i = 0; i < kept; ++i) out[idx[i]] = static_cast<float>(probs[idx[i]] / total);
+  probs.swap(out);
+}
+
+}  // namespace
+
+double uniform(uint64_t seed, int64_t position, int stream) {
+  const uint64_t h = splitmix64(splitmix64(seed ^ 0x5851f42d4c957f2dull) ^ (static_cast<uint64_t>(position) * 4 +
+                                                                            static_cast<uint64_t>(stream)));
+  return static_cast<double>(h >> 11) * 0x1.0p-53;
+}
+
+std::vector<float> distribution(const float* logits, int n, const SamplingParams& p) {
+  check(!p.greedy(), "internal: distribution() of a greedy request");
+  std::vector<float> x(logits, logits + n);
+  for (float& v : x) v /= p.temperature;
+  float threshold = -INFINITY;
+  if (p.top_k > 0 && p.top_k < n) {
+    std::vector<float> tmp(x);
+    std::nth_element(tmp.begin(), tmp.begin() + (p.top_k - 1), tmp.end(), std::greater<float>());
+    threshold = tmp[p.top_k - 1];  // ties with the k-th value stay, as in Hugging Face
+  }
+  float mx = -INFINITY;
+  for (float v : x)
+    if (v >= threshold) mx = std::max(mx, v);
+  check(std::isfinite(mx), "the logits are not finite");
+  double total = 0;
+  for (float& v : x) {
+    v = v >= threshold ? std::exp(v - mx) : 0.0f;
+    total += v;
+  }
+  for (float& v : x) v = static_cast<float>(v / total);
+  if (p.top_p < 1) apply_top_p(x, p.top_p);
+  return x;
+}
+
+int32_t sample(const std::vector<float>& probs, double u) {
+  double total = 0;
+  for (float v : probs) total += v;
+  const double target = u * total;
+  double cum = 0;
+  int32_t last = 0;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] <= 0) continue;
+    cum += probs[i];
+    last = static_cast<int32_t>(i);
+    if (cum > target) return last;
+  }
+  return last;  // rounding left the target at the very end
+}
+
+Verdict verify_draft_token(const std::vector<float>& p, const std::vector<float>& q, int32_t d, double u_accept,
+                           double u_resample) {
+  // Accept with probability min(1, p(d) / q(d)); q(d) > 0 because d was drawn from q.
+  if (u_accept * q[d] < p[d]) return {true, d};
+  std::vector<float> residual(p.size());
+  double total = 0;
+  for (size_t i = 0; i < p.size(); ++i) total += residual[i] = std::max(0.0f, p[i] - q[i]);
+  // p == q up to rounding: a rejection has probability ~0; sample from p itself.
+  return {false, sample(total > 0 ? residual : p, u_resample)};
+}
+
+std::vector<float> rows_to_host(Backend& be, const Tensor& logits, const std::vector<int32_t>& rows) {
+  if (rows.empty()) return {};
+  Tensor picked = be.alloc(static_cast<int64_t>(rows.size()), logits.cols);
+  be.gather_rows(logits, rows, picked);
+  return be.to_host(picked);
+}
+
+std::vector<int32_t> pick_tokens(Backend& be, const Tensor& logits, const std::vector<const SamplingParams*>& params,
+                                 const std::vector<int64_t>& positions) {
+  check(params.size() == static_cast<size_t>(logits.rows) && positions.size() == params.size(),
+        "internal: pick_tokens needs one setting and position per row");
+  std::vector<int32_t> sampled_rows;
+  for (size_t r = 0; r < params.size(); ++r)
+    if (params[r] && !params[r]->greedy()) sampled_rows.push_back(static_cast<int32_t>(r));
+  std::vector<int32_t> tokens = sampled_rows.size() == params.size() ? std::vector<int32_t>(params.size())
+                                                                     : be.argmax_rows(logits);
+  const std::vector<float> host = rows_to_host(be, logits, sampled_rows);
+  const auto n = static_cast<int>(logits.cols);
+  for (size_t i = 0; i < sampled_rows.size(); ++i) {
+    const auto r = static_cast<size_t>(sampled_rows[i]);
+    const auto p = distribution(host.data() + static_cast<int64_t>(i) * n, n, *params[r]);
+    tokens[r] = sample(p, uniform(params[r]->seed, positions[r], kTargetSample));
+  }
+  return tokens;
+}
+
+}  // namespace dflash

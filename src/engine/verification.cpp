@@ -1,0 +1,117 @@
+#include "engine/verification.h"
+
+#include "util/error.h"
+
+namespace dflash {
+
+namespace {
+
+bool sampled(const SamplingParams* p) { return p && !p->greedy(); }
+
+// Logits rows copied to the host once, with their distributions computed on demand.
+class HostRows {
+ public:
+  HostRows(Backend& be, const Tensor& logits, std::vector<int32_t> rows)
+      : rows_(std::move(rows)), n_(static_cast<int>(logits.cols)), host_(rows_to_host(be, logits, rows_)) {}
+  // Distribution of the k-th listed row.
+  std::vector<float> distribution(size_t k, const SamplingParams& p) const {
+    return dflash::distribution(host_.data() + static_cast<int64_t>(k) * n_, n_, p);
+  }
+
+ private:
+  std::vector<int32_t> rows_;
+  int n_;
+  std::vector<float> host_;
+};
+
+}  // namespace
+
+std::vector<DraftChoice> choose_draft_tokens(Backend& be, const Tensor& logits, const std::vector<DraftRows>& seqs,
+                                             SpecSampling scheme) {
+  // Greedy and match-scheme rows take the draft's argmax; rejection-scheme rows sample from q.
+  auto samples = [&](const DraftRows& s) { return scheme == SpecSampling::Rejection && sampled(s.params); };
+  std::vector<int32_t> rows;
+  bool need_argmax = false;
+  for (const auto& s : seqs) {
+    if (!samples(s)) need_argmax = true;
+    else for (int j = 0; j < s.n; ++j) rows.push_back(s.first_row + j);
+  }
+  const std::vector<int32_t> argmax = need_argmax ? be.argmax_rows(logits) : std::vector<int32_t>{};
+  const HostRows host(be, logits, rows);
+  std::vector<DraftChoice> out(seqs.size());
+  size_t k = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const DraftRows& s = seqs[i];
+    for (int j = 0; j < s.n; ++j) {
+      if (!samples(s)) {
+        out[i].tokens.push_back(argmax[static_cast<size_t>(s.first_row + j)]);
+        continue;
+      }
+      std::vector<float> q = host.distribution(k++, *s.params);
+      out[i].tokens.push_back(sample(q, uniform(s.params->seed, s.position + j, kDraftSample)));
+      out[i].q.push_back(std::move(q));
+    }
+  }
+  return out;
+}
+
+std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const std::vector<VerifyBlock>& blocks,
+                                       SpecSampling scheme) {
+  auto n_drafted = [](const VerifyBlock& b) { return b.draft ? static_cast<int>(b.draft->tokens.size()) : 0; };
+  std::vector<int32_t> rows;
+  std::vector<size_t> first_host(blocks.size(), 0);  // index of each sampled block's first row in `rows`
+  bool need_argmax = false;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const VerifyBlock& b = blocks[i];
+    if (!sampled(b.params)) {
+      need_argmax = true;
+      continue;
+    }
+    first_host[i] = rows.size();
+    for (int j = 0; j <= n_drafted(b); ++j) rows.push_back(b.first_row + j);
+  }
+  const std::vector<int32_t> argmax = need_argmax ? be.argmax_rows(logits) : std::vector<int32_t>{};
+  const HostRows host(be, logits, rows);
+
+  std::vector<BlockResult> out(blocks.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const VerifyBlock& b = blocks[i];
+    const int nd = n_drafted(b);
+    const int32_t* d = nd ? b.draft->tokens.data() : nullptr;
+    BlockResult& r = out[i];
+    if (!sampled(b.params)) {
+      // Greedy: accept while the draft token is the target's argmax.
+      const int32_t* g = &argmax[static_cast<size_t>(b.first_row)];
+      while (r.accepted < nd && d[r.accepted] == g[r.accepted]) ++r.accepted;
+      r.next = g[r.accepted];
+      continue;
+    }
+    const SamplingParams& sp = *b.params;
+    auto p = [&](int j) { return host.distribution(first_host[i] + static_cast<size_t>(j), sp); };
+    if (scheme == SpecSampling::Rejection && nd > 0) {
+      check(b.draft->q.size() == static_cast<size_t>(nd), "internal: rejection sampling without draft distributions");
+      for (; r.accepted < nd; ++r.accepted) {
+        const int64_t pos = b.position + r.accepted;
+        const Verdict v = verify_draft_token(p(r.accepted), b.draft->q[static_cast<size_t>(r.accepted)],
+                                             d[r.accepted], uniform(sp.seed, pos, kAcceptTest),
+                                             uniform(sp.seed, pos, kResample));
+        if (!v.accepted) {
+          r.next = v.token;
+          break;
+        }
+      }
+      if (r.accepted == nd) r.next = sample(p(nd), uniform(sp.seed, b.position + nd, kTargetSample));
+      continue;
+    }
+    // Match: the target samples each position as plain decoding would; accept while the draft agrees.
+    for (;; ++r.accepted) {
+      const int32_t g = sample(p(r.accepted), uniform(sp.seed, b.position + r.accepted, kTargetSample));
+      if (r.accepted < nd && d[r.accepted] == g) continue;
+      r.next = g;
+      break;
+    }
+  }
+  return out;
+}
+
+}  // namespace dflash

@@ -1,0 +1,48 @@
+// DFlash token choice for a batch of blocks (DFLASH.md sections 3-5): the
+// draft tokens from a draft forward's logits, then each block's acceptance and
+// next pending token from the target forward that verified it. Greedy blocks
+// compare argmaxes; sampled blocks use the match or the rejection scheme.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/sampling.h"
+
+namespace dflash {
+
+// A sequence's rows in a draft forward: rows [first_row, first_row + n) choose
+// the tokens at positions position .. position + n - 1.
+struct DraftRows {
+  const SamplingParams* params;  // null: greedy
+  int32_t first_row = 0, n = 0;
+  int64_t position = 0;
+};
+
+struct DraftChoice {
+  std::vector<int32_t> tokens;          // d_1..d_n
+  std::vector<std::vector<float>> q;    // their draft distributions (rejection scheme only, else empty)
+};
+
+std::vector<DraftChoice> choose_draft_tokens(Backend& be, const Tensor& logits, const std::vector<DraftRows>& seqs,
+                                             SpecSampling scheme);
+
+// A sequence's rows in a verifying target forward: row first_row + i follows
+// the pending token and drafted[0..i-1], so it chooses the token at position + i.
+// With no drafted tokens it is a plain step (or the end of a prefill).
+struct VerifyBlock {
+  const SamplingParams* params;  // null: greedy
+  int32_t first_row = 0;
+  int64_t position = 0;
+  const DraftChoice* draft = nullptr;  // null: nothing drafted
+};
+
+struct BlockResult {
+  int accepted = 0;    // leading draft tokens committed
+  int32_t next = -1;   // the new pending token
+};
+
+std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const std::vector<VerifyBlock>& blocks,
+                                       SpecSampling scheme);
+
+}  // namespace dflash

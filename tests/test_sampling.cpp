@@ -1,0 +1,253 @@
+// Token choice: sampling distributions against direct references on fresh
+// random logits, the inverse-CDF sampler, the rejection-sampling verdict (its
+// output must be distributed as the target's p), and DFlash with sampling:
+// the match scheme gives exactly plain sampling's tokens for the same seed; the
+// rejection scheme keeps the target's distribution and accepts drafts.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+#include <cstdlib>
+
+#include "engine/engine.h"
+#include "engine/sampling.h"
+#include "test_util.h"
+#include "util/error.h"
+
+namespace dflash {
+namespace {
+
+std::vector<float> random_logits(int n, std::mt19937& rng, float scale = 3.0f) {
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = nd(rng);
+  return x;
+}
+
+// Softmax in double, then Hugging Face's warpers written out directly: top-k by
+// the k-th largest value, top-p by sorting ascending and dropping the tokens
+// whose cumulative probability is <= 1 - top_p.
+std::vector<double> reference(const std::vector<float>& logits, const SamplingParams& p) {
+  const size_t n = logits.size();
+  std::vector<double> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = static_cast<double>(logits[i]) / p.temperature;
+  if (p.top_k > 0 && p.top_k < static_cast<int>(n)) {
+    std::vector<double> s(x);
+    std::sort(s.rbegin(), s.rend());
+    for (double& v : x)
+      if (v < s[static_cast<size_t>(p.top_k - 1)]) v = -INFINITY;
+  }
+  auto softmax = [](std::vector<double>& v) {
+    const double mx = *std::max_element(v.begin(), v.end());
+    double t = 0;
+    for (double& e : v) t += e = std::exp(e - mx);
+    for (double& e : v) e /= t;
+  };
+  softmax(x);
+  if (p.top_p < 1) {
+    std::vector<size_t> idx(n);
+    std::iota(idx.begin(), idx.end(), 0);
+    std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return x[a] < x[b]; });
+    double cum = 0;
+    std::vector<bool> drop(n, false);
+    for (size_t k = 0; k + 1 < n; ++k) {  // the most likely token always stays
+      cum += x[idx[k]];
+      if (cum <= 1.0 - p.top_p) drop[idx[k]] = true;
+    }
+    double t = 0;
+    for (size_t i = 0; i < n; ++i) t += drop[i] ? 0 : x[i];
+    for (size_t i = 0; i < n; ++i) x[i] = drop[i] ? 0 : x[i] / t;
+  }
+  return x;
+}
+
+TEST(Sampling, DistributionsMatchTheWarpersOnRandomLogits) {
+  std::mt19937 rng(std::random_device{}());
+  const SamplingParams settings[] = {{1.0f, 0, 1.0f, 0}, {0.7f, 0, 1.0f, 0}, {1.3f, 40, 1.0f, 0},
+                                     {0.6f, 20, 0.95f, 0}, {1.0f, 0, 0.5f, 0}, {0.9f, 1, 1.0f, 0},
+                                     {2.0f, 0, 0.999f, 0}};
+  for (int n : {2, 7, 1000, 8192}) {
+    for (const auto& p : settings) {
+      const auto logits = random_logits(n, rng);
+      const auto got = distribution(logits.data(), n, p);
+      const auto want = reference(logits, p);
+      double err = 0, total = 0;
+      int kept = 0, want_kept = 0;
+      for (int i = 0; i < n; ++i) {
+        err = std::max(err, std::abs(got[static_cast<size_t>(i)] - want[static_cast<size_t>(i)]));
+        total += got[static_cast<size_t>(i)];
+        kept += got[static_cast<size_t>(i)] > 0;
+        want_kept += want[static_cast<size_t>(i)] > 0;
+      }
+      EXPECT_LT(err, 1e-5) << "n " << n << " T " << p.temperature << " k " << p.top_k << " p " << p.top_p;
+      EXPECT_NEAR(total, 1.0, 1e-4);
+      EXPECT_EQ(kept, want_kept) << "n " << n << " T " << p.temperature << " k " << p.top_k << " p " << p.top_p;
+    }
+  }
+}
+
+TEST(Sampling, InverseCdfSamplesFollowTheDistribution) {
+  std::mt19937 rng(std::random_device{}());
+  const auto logits = random_logits(50, rng, 1.5f);
+  const auto p = distribution(logits.data(), 50, {1.0f, 0, 1.0f, 0});
+  // Stratified u: the counts are exact up to one per token.
+  const int n = 100000;
+  std::vector<int> count(50, 0);
+  for (int i = 0; i < n; ++i) ++count[static_cast<size_t>(sample(p, (i + 0.5) / n))];
+  for (size_t t = 0; t < 50; ++t) EXPECT_NEAR(count[t], p[t] * n, 1.5) << "token " << t;
+  // The counter-based uniforms are uniform and differ between seeds, positions and streams.
+  double mean = 0;
+  for (int i = 0; i < n; ++i) mean += uniform(7, i, kTargetSample);
+  EXPECT_NEAR(mean / n, 0.5, 0.01);
+  EXPECT_NE(uniform(7, 10, kTargetSample), uniform(8, 10, kTargetSample));
+  EXPECT_NE(uniform(7, 10, kTargetSample), uniform(7, 11, kTargetSample));
+  EXPECT_NE(uniform(7, 10, kTargetSample), uniform(7, 10, kAcceptTest));
+  EXPECT_EQ(uniform(7, 10, kResample), uniform(7, 10, kResample));
+}
+
+TEST(Sampling, RejectionVerdictsAreDistributedAsTheTarget) {
+  std::mt19937 rng(std::random_device{}());
+  for (int trial = 0; trial < 4; ++trial) {
+    const int v = 8;
+    const auto lp = random_logits(v, rng, 1.0f), lq = random_logits(v, rng, 1.0f);
+    const auto p = distribution(lp.data(), v, {1.0f, 0, trial % 2 ? 0.8f : 1.0f, 0});
+    const auto q = distribution(lq.data(), v, {1.0f, 0, 1.0f, 0});
+    const int n = 200000;
+    std::vector<int> count(v, 0);
+    int accepted = 0;
+    const uint64_t seed = rng();
+    for (int i = 0; i < n; ++i) {
+      const int32_t d = sample(q, uniform(seed, i, kDraftSample));
+      const Verdict r = verify_draft_token(p, q, d, uniform(seed, i, kAcceptTest), uniform(seed, i, kResample));
+      ++count[static_cast<size_t>(r.token)];
+      accepted += r.accepted;
+    }
+    // Expected acceptance: sum_x min(p, q).
+    double overlap = 0;
+    for (int t = 0; t < v; ++t) overlap += std::min(p[static_cast<size_t>(t)], q[static_cast<size_t>(t)]);
+    EXPECT_NEAR(static_cast<double>(accepted) / n, overlap, 0.01);
+    for (size_t t = 0; t < static_cast<size_t>(v); ++t)
+      EXPECT_NEAR(static_cast<double>(count[t]) / n, p[t], 0.006) << "trial " << trial << " token " << t;
+  }
+}
+
+TEST(Sampling, SettingsAreCheckedAndModelDefaultsFollowGenerationConfig) {
+  EXPECT_THROW(validate({-1.0f, 0, 1.0f, 0}), Error);
+  EXPECT_THROW(validate({1.0f, -2, 1.0f, 0}), Error);
+  EXPECT_THROW(validate({1.0f, 0, 0.0f, 0}), Error);
+  EXPECT_THROW(validate({NAN, 0, 1.0f, 0}), Error);
+  EXPECT_THROW(parse_spec_sampling("typical"), Error);
+  GenerationConfig g;
+  EXPECT_TRUE(default_sampling(g).greedy());
+  g.do_sample = true;
+  g.temperature = 0.6;
+  g.top_p = 0.95;
+  SamplingParams p = default_sampling(g);
+  EXPECT_FLOAT_EQ(p.temperature, 0.6f);
+  EXPECT_EQ(p.top_k, 50);
+  EXPECT_FLOAT_EQ(p.top_p, 0.95f);
+}
+
+GenerationResult run(Engine& e, const std::vector<int32_t>& prompt, int max_tokens, SpeculativeMode mode,
+                     const SamplingParams& sp, SpecSampling scheme = SpecSampling::Match) {
+  GenerateOptions go;
+  go.max_tokens = max_tokens;
+  go.mode = mode;
+  go.sampling = sp;
+  go.spec_sampling = scheme;
+  return e.generate(prompt, go);
+}
+
+Engine trained_engine() {
+  const auto meta = test::read_json(test::fixture("expected/trained_qwen3.json"));
+  EngineOptions eo;
+  eo.model_dir = test::fixture(meta["target"].get<std::string>());
+  eo.draft_dir = test::fixture(meta["draft"].get<std::string>());
+  return Engine(eo);
+}
+
+std::vector<std::vector<int32_t>> trained_prompts() {
+  return test::read_json(test::fixture("expected/trained_qwen3.json"))["prompts"].get<std::vector<std::vector<int32_t>>>();
+}
+
+TEST(SampledDecoding, MatchSchemeGivesPlainSamplingsTokensForTheSameSeed) {
+  Engine engine = trained_engine();
+  const auto prompts = trained_prompts();
+  long steps = 0, produced = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const SamplingParams sp{i % 3 == 0 ? 1.0f : 0.7f, i % 2 ? 20 : 0, i % 4 == 1 ? 0.9f : 1.0f, 1000 + i};
+    const auto plain = run(engine, prompts[i], 40, SpeculativeMode::None, sp);
+    const auto spec = run(engine, prompts[i], 40, SpeculativeMode::DFlash, sp);
+    ASSERT_EQ(spec.tokens, plain.tokens) << "prompt " << i;
+    const auto again = run(engine, prompts[i], 40, SpeculativeMode::None, sp);
+    ASSERT_EQ(again.tokens, plain.tokens) << "sampling is not reproducible for a seed, prompt " << i;
+    steps += spec.stats.n_steps;
+    produced += static_cast<long>(std::lround(spec.stats.tau * spec.stats.n_steps));
+  }
+  const double tau = static_cast<double>(produced) / static_cast<double>(steps);
+  std::printf("match scheme: %zu prompts identical to plain sampling, tau %.3f\n", prompts.size(), tau);
+  EXPECT_GT(tau, 1.2) << "sampled drafts are (almost) never accepted";
+  // Different seeds give different text somewhere.
+  const SamplingParams a{1.0f, 0, 1.0f, 1}, b{1.0f, 0, 1.0f, 2};
+  int differ = 0;
+  for (const auto& pr : prompts) differ += run(engine, pr, 16, SpeculativeMode::None, a).tokens !=
+                                          run(engine, pr, 16, SpeculativeMode::None, b).tokens;
+  EXPECT_GT(differ, 0);
+}
+
+// Per output position, how often each token appears over `runs` seeds.
+std::vector<std::map<int32_t, int>> marginals(Engine& e, const std::vector<int32_t>& prompt, int n,
+                                              SpeculativeMode mode, SpecSampling scheme, int runs, uint64_t seed0) {
+  std::vector<std::map<int32_t, int>> h(static_cast<size_t>(n));
+  for (int s = 0; s < runs; ++s) {
+    const auto t = run(e, prompt, n, mode, {0.8f, 0, 1.0f, seed0 + static_cast<uint64_t>(s)}, scheme).tokens;
+    for (size_t j = 0; j < t.size() && j < h.size(); ++j) ++h[j][t[j]];
+  }
+  return h;
+}
+
+double total_variation(const std::map<int32_t, int>& x, const std::map<int32_t, int>& y, int runs) {
+  std::map<int32_t, double> d;
+  for (const auto& [k, c] : x) d[k] += static_cast<double>(c) / runs;
+  for (const auto& [k, c] : y) d[k] -= static_cast<double>(c) / runs;
+  double t = 0;
+  for (const auto& [k, v] : d) t += std::abs(v);
+  return t / 2;
+}
+
+TEST(SampledDecoding, RejectionSchemeKeepsTheTargetsDistribution) {
+  Engine engine = trained_engine();
+  const auto prompts = trained_prompts();
+  // Tokens 2..4 of each continuation come from verified drafts (token 1 from the
+  // prefill). Over 1000 seeds at temperature 0.8, their per-position
+  // distributions must be as close to plain sampling's as a second plain run is.
+  const int runs = std::getenv("DFLASH_TEST_LIGHT") && std::string(std::getenv("DFLASH_TEST_LIGHT")) == "1" ? 300 : 1000;
+  const int n = 4;
+  const std::vector<int32_t> prompt(prompts[0].begin(), prompts[0].begin() + std::min<size_t>(8, prompts[0].size()));
+  const auto plain = marginals(engine, prompt, n, SpeculativeMode::None, SpecSampling::Match, runs, 1);
+  const auto plain2 = marginals(engine, prompt, n, SpeculativeMode::None, SpecSampling::Match, runs, 1000001);
+  const auto rej = marginals(engine, prompt, n, SpeculativeMode::DFlash, SpecSampling::Rejection, runs, 2000001);
+  for (size_t j = 1; j < static_cast<size_t>(n); ++j) {
+    const double noise = total_variation(plain[j], plain2[j], runs), dist = total_variation(plain[j], rej[j], runs);
+    std::printf("rejection scheme, token %zu: TV to plain %.3f (plain vs plain %.3f), %zu distinct tokens\n", j + 1,
+                dist, noise, plain[j].size());
+    EXPECT_LT(dist, std::max(0.1, 2.0 * noise)) << "token " << j + 1;
+  }
+  // And it accepts drafts.
+  long steps = 0;
+  double tau_sum = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto r = run(engine, prompts[i], 40, SpeculativeMode::DFlash, {1.0f, 0, 1.0f, 77 + i}, SpecSampling::Rejection);
+    tau_sum += r.stats.tau * r.stats.n_steps;
+    steps += r.stats.n_steps;
+  }
+  std::printf("rejection scheme: tau %.3f\n", tau_sum / static_cast<double>(steps));
+  EXPECT_GT(tau_sum / static_cast<double>(steps), 1.2);
+}
+
+}  // namespace
+}  // namespace dflash

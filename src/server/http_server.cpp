@@ -223,13 +223,29 @@ struct HttpServer::Impl {
     }
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
     if (!cr.stream) {
-      std::string text;
-      while (!gen->done) {
-        if (auto e = gen->channel->pop(std::chrono::milliseconds(1000))) text += gen->apply(*e, metrics);
-      }
-      if (gen->finish_reason == "stop" && gen->text->stopped()) engine.cancel(gen->engine_id);
-      res.set_content(to_text(completion_response(chat, id, opts.model_name, created, text, gen->finish_reason, gen->usage)),
-                      "application/json");
+      // One JSON body. While it is generated, a space each second (JSON allows
+      // leading whitespace) shows whether the client is still there: one that
+      // went away gets its request cancelled and its pages freed.
+      res.set_chunked_content_provider(
+          "application/json",
+          [this, gen, id, chat, text = std::string(), beat = Clock::now()](size_t, httplib::DataSink& sink) mutable {
+            while (!gen->done) {
+              if (auto e = gen->channel->pop(std::chrono::milliseconds(200))) text += gen->apply(*e, metrics);
+              if (seconds_since(beat) >= 1.0) {
+                beat = Clock::now();
+                if (!sink.write(" ", 1)) return false;
+              }
+            }
+            if (gen->text->stopped()) engine.cancel(gen->engine_id);
+            const std::string body =
+                to_text(completion_response(chat, id, opts.model_name, created, text, gen->finish_reason, gen->usage));
+            if (!sink.write(body.data(), body.size())) return false;
+            sink.done();
+            return true;
+          },
+          [this, gen](bool success) {
+            if (!success || !gen->done) engine.cancel(gen->engine_id);
+          });
       return;
     }
     const bool include_usage = cr.include_usage;

@@ -168,6 +168,30 @@ test('a client that disconnects mid-stream frees its pages', async () => {
   assert.equal(used, 0, 'pages still in use after the client went away');
 });
 
+test('a non-streaming client that goes away frees its pages', async () => {
+  const finishedBefore = await metric(server.url, 'dflash_requests_finished_total');
+  const ctl = new AbortController();
+  const pending = client.completions
+    .create({ model: MODEL, prompt: PROMPTS[1], max_tokens: 1500 }, { signal: ctl.signal })
+    .then(() => null, (e) => e);
+  let used = 0;
+  for (let i = 0; i < 200 && used === 0; ++i) {
+    await new Promise((r) => setTimeout(r, 50));
+    used = await metric(server.url, 'dflash_kv_pages_used');
+  }
+  assert.ok(used > 0, 'the request never started');
+  ctl.abort();
+  const err = await pending;
+  assert.ok(err instanceof OpenAI.APIUserAbortError || err?.name === 'AbortError', String(err));
+  for (let i = 0; i < 100 && used !== 0; ++i) {
+    await new Promise((r) => setTimeout(r, 100));
+    used = await metric(server.url, 'dflash_kv_pages_used');
+  }
+  assert.equal(used, 0, 'pages still in use after the client went away');
+  assert.equal(await metric(server.url, 'dflash_requests_finished_total'), finishedBefore,
+               'the request ran to completion instead of being cancelled');
+});
+
 async function post(path, body, headers = { 'Content-Type': 'application/json' }) {
   const res = await fetch(`${server.url}${path}`, { method: 'POST', headers, body });
   const text = await res.text();

@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 #include "engine/sampling.h"
 #include "engine/serving.h"
+#include "formats/model_config.h"
 #include "server/http_server.h"
 #include "util/error.h"
 
@@ -81,6 +82,10 @@ Command add_serve(CLI::App& app) {
     std::printf("memory plan: %d KV pages of %d tokens (%s), %lld bytes of KV cache; up to %d sequences, block %d\n",
                 st.kv_pages_total, a->page_size, engine.speculative() ? "target and draft" : "target",
                 static_cast<long long>(engine.kv_cache_bytes()), engine.max_num_seqs(), engine.block_size());
+    const SamplingParams ds = default_sampling(load_generation_config(a->model));
+    if (ds.greedy()) std::printf("default decoding: greedy (generation_config.json)\n");
+    else std::printf("default decoding: temperature %g, top_k %d, top_p %g (generation_config.json); DFlash "
+                     "verifies samples by %s\n", ds.temperature, ds.top_k, ds.top_p, a->spec_sampling.c_str());
     server::HttpServer srv(engine, http);
     g_server = &srv;
     std::signal(SIGINT, on_signal);

@@ -90,6 +90,19 @@ TEST(Sampling, DistributionsMatchTheWarpersOnRandomLogits) {
   }
 }
 
+TEST(Sampling, TopPOnTiesAndTinyNuclei) {
+  // Ten equal logits, top_p 0.35: tokens are kept while the mass before them is below 0.35.
+  const std::vector<float> flat(10, 1.0f);
+  auto p = distribution(flat.data(), 10, {1.0f, 0, 0.35f, 0});
+  for (int i = 0; i < 10; ++i) EXPECT_FLOAT_EQ(p[static_cast<size_t>(i)], i < 4 ? 0.25f : 0.0f) << i;
+  // A tiny top_p keeps exactly the most likely token.
+  std::mt19937 rng(std::random_device{}());
+  const auto logits = random_logits(5000, rng);
+  p = distribution(logits.data(), 5000, {1.0f, 0, 1e-6f, 0});
+  const auto best = std::max_element(logits.begin(), logits.end()) - logits.begin();
+  EXPECT_FLOAT_EQ(p[static_cast<size_t>(best)], 1.0f);
+}
+
 TEST(Sampling, InverseCdfSamplesFollowTheDistribution) {
   std::mt19937 rng(std::random_device{}());
   const auto logits = random_logits(50, rng, 1.5f);

@@ -40,25 +40,46 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 // Keeps the most probable tokens while the mass before each is below top_p
-// (Hugging Face's TopPLogitsWarper), zeroing the rest. probs sum to 1.
+// (Hugging Face's TopPLogitsWarper; among equal probabilities the lower id
+// first), zeroing the rest; probs sum to 1. A selection by mass, expected O(n):
+// the kept set is found without sorting the vocabulary.
 void apply_top_p(std::vector<float>& probs, float top_p) {
-  const auto n = static_cast<int64_t>(probs.size());
-  std::vector<int32_t> idx(probs.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  auto by_prob = [&](int32_t a, int32_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); };
-  // Most distributions are concentrated: sort a short head first, the whole vocabulary only if needed.
-  int64_t kept = 0;
-  for (int64_t m = std::min<int64_t>(64, n);; m = std::min<int64_t>(m * 16, n)) {
-    std::partial_sort(idx.begin(), idx.begin() + m, idx.end(), by_prob);
-    double before = 0;
-    kept = 0;
-    while (kept < m && before < top_p) before += probs[idx[kept++]];
-    if (before >= top_p || m == n) break;
+  std::vector<int32_t> idx;
+  idx.reserve(probs.size());
+  for (size_t i = 0; i < probs.size(); ++i)
+    if (probs[i] > 0) idx.push_back(static_cast<int32_t>(i));
+  // idx[0, lo) is kept; idx[lo, hi) is undecided; the rest is dropped.
+  size_t lo = 0, hi = idx.size();
+  double before = 0;  // mass of idx[0, lo), always < top_p
+  uint64_t state = 0x2545f4914f6cdd1dull;
+  while (hi - lo > 1) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const float pivot = probs[idx[lo + (state >> 33) % (hi - lo)]];
+    auto gt_end = std::partition(idx.begin() + lo, idx.begin() + hi, [&](int32_t i) { return probs[i] > pivot; });
+    auto eq_end = std::partition(gt_end, idx.begin() + hi, [&](int32_t i) { return probs[i] == pivot; });
+    double gt = 0, eq = 0;
+    for (auto it = idx.begin() + lo; it != gt_end; ++it) gt += probs[*it];
+    for (auto it = gt_end; it != eq_end; ++it) eq += probs[*it];
+    const auto g = static_cast<size_t>(gt_end - idx.begin()), e = static_cast<size_t>(eq_end - idx.begin());
+    if (before + gt >= top_p) {
+      hi = g;  // the crossing token is among the larger ones
+    } else if (before + gt + eq >= top_p) {
+      // It is among the ties: take them by id while the mass before stays below top_p.
+      before += gt;
+      std::sort(idx.begin() + g, idx.begin() + e);
+      lo = g;
+      while (lo < e && before < top_p) before += probs[idx[lo++]];
+      hi = lo;
+    } else {
+      before += gt + eq;
+      lo = e;
+    }
   }
+  const size_t kept = hi;  // hi - lo <= 1 here: a last undecided token is kept (the mass before it is < top_p)
   std::vector<float> out(probs.size(), 0.0f);
   double total = 0;
-  for (int64_t i = 0; i < kept; ++i) total += probs[idx[i]];
-  for (int64_t i = 0; i < kept; ++i) out[idx[i]] = static_cast<float>(probs[idx[i]] / total);
+  for (size_t k = 0; k < kept; ++k) total += probs[idx[k]];
+  for (size_t k = 0; k < kept; ++k) out[idx[k]] = static_cast<float>(probs[idx[k]] / total);
   probs.swap(out);
 }
 

@@ -194,17 +194,23 @@ std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
   return std::nullopt;
 }
 
+const std::string& Tokenizer::output_bytes(int32_t id) const {
+  static const std::string none;
+  check(id >= 0, "token id ", id, " is negative");
+  return id < vocab_size() ? token_bytes_[static_cast<size_t>(id)] : none;
+}
+
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
   std::string bytes;
   for (int32_t id : ids) {
     if (skip_special_tokens && is_special(id)) continue;
-    bytes += token_bytes(id);
+    bytes += output_bytes(id);
   }
   return utf8::lossy(bytes);
 }
 
 std::string StreamDecoder::push(int32_t id) {
-  const std::string& b = tok_.token_bytes(id);
+  const std::string& b = tok_.output_bytes(id);
   if (skip_special_ && tok_.is_special(id)) return {};
   pending_ += b;
   const size_t n = utf8::stable_prefix(pending_);

@@ -30,11 +30,15 @@ class Tokenizer {
   // (e.g. Llama-3's BOS); HF's add_special_tokens=False leaves it out.
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
 
-  // Ids -> text; invalid UTF-8 produced by partial tokens becomes U+FFFD.
+  // Ids -> text; invalid UTF-8 produced by partial tokens becomes U+FFFD. Ids
+  // beyond the vocabulary (a model's padded embedding rows) decode to nothing,
+  // as in Hugging Face tokenizers; negative ids are an error.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
 
-  // Raw bytes a token decodes to (before UTF-8 repair).
+  // Raw bytes a token decodes to (before UTF-8 repair); throws for ids outside the vocabulary.
   const std::string& token_bytes(int32_t id) const;
+  // As token_bytes, but empty for ids beyond the vocabulary (what decode() uses).
+  const std::string& output_bytes(int32_t id) const;
   bool is_special(int32_t id) const;
   std::optional<int32_t> token_to_id(std::string_view token) const;
   // One past the largest id.

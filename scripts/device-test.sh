@@ -4,11 +4,12 @@
 #
 #   bash scripts/device-test.sh build       # portable build into build-dev/ (static libstdc++, .so files in lib/)
 #   bash scripts/device-test.sh run OUT     # on the GPU machine, from the repository root, with build-dev/ there:
-#                                           #   CUDA kernel and engine tests, logits vs transformers, bench-step
+#                                           #   CUDA kernel and engine tests, logits vs transformers, bench-step,
+#                                           #   serving sweeps
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits bench" (default: all three).
+# Steps can be chosen with STEPS="tests logits bench serving" (default: all four).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -30,7 +31,7 @@ fi
 [ "$mode" = run ] || { echo "unknown mode $mode" >&2; exit 2; }
 out=${2:?usage: device-test.sh run OUT}
 mkdir -p "$out"
-steps=${STEPS:-tests logits bench}
+steps=${STEPS:-tests logits bench serving}
 export LD_LIBRARY_PATH="$PWD/build-dev/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 # cuBLASLt comes from the machine: the CUDA toolkit, else the copy PyTorch ships.
 if ! ldconfig -p | grep -q libcublasLt.so.13 && [ ! -e /usr/local/cuda/lib64/libcublasLt.so.13 ]; then
@@ -64,5 +65,19 @@ if [[ $steps == *bench* ]]; then
   "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
     --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512,2048}" --json "$out/bench_step.json" \
     2>&1 | tee "$out/bench_step.txt" || status=1
+fi
+if [[ $steps == *serving* ]]; then
+  # Step times with the 8B-shaped random pair (the Qwen3 tokenizer from the test fixtures; its
+  # random drafts are never accepted), tau with the bundled pair.
+  echo "== serving sweeps on the GPU =="
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$ckpt/qwen3-8b/"
+  python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-64}" --concurrency "${SERVE_CONC:-1,8,32}" \
+    --max-tokens 128 --server-args "--device cuda --model $ckpt/qwen3-8b --draft $ckpt/dflash-8b" \
+    --json "$out/serving_gpu_qwen3-8b-shape.json" 2>&1 | tee "$out/serving_gpu_qwen3-8b-shape.txt" || status=1
+  python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-64}" --concurrency "${SERVE_CONC:-1,8,32}" \
+    --max-tokens 128 --server-args "--device cuda" \
+    --json "$out/serving_gpu_bundled.json" 2>&1 | tee "$out/serving_gpu_bundled.txt" || status=1
 fi
 exit $status

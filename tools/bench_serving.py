@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Serving sweep: starts `dflash serve` twice (baseline --speculative none, and
+DFlash), sends a prompt set at each concurrency with streaming requests, and
+prints concurrency x {baseline, dflash} x {output tok/s, TTFT, TPOT, tau,
+speedup}, like SGLang's DFlash sweep; --json writes the rows with settings.
+Python's standard library only, so it runs wherever dflash runs.
+
+Usage:
+  python3 tools/bench_serving.py --dflash build/dflash --data bench/data/humaneval.jsonl \\
+      --n 32 --concurrency 1,4,16 --max-tokens 128 [--mode completion|chat] \\
+      [--server-args "--model DIR --draft DIR"] [--json out.json]
+
+Prompt sets are JSONL rows with "turns" (the first turn is used). completion
+mode sends the code inside the turn's ``` fence (or the whole turn) to
+/v1/completions; chat mode sends the turn as a user message. tau comes from the
+server's /metrics (acceptance-length histogram) over each sweep.
+"""
+import argparse
+import http.client
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+
+def load_prompts(path, n, mode):
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            turn = json.loads(line)["turns"][0]
+            if mode == "completion":
+                m = re.search(r"```(?:python)?\n([\s\S]*?)```", turn)
+                turn = m.group(1) if m else turn
+            out.append(turn)
+            if len(out) == n:
+                break
+    return out
+
+
+class Server:
+    def __init__(self, binary, args):
+        self.proc = subprocess.Popen([binary, "serve", "--port", "0", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.log = ""
+        for line in self.proc.stdout:
+            self.log += line
+            m = re.search(r"'([^']+)' at (http://\S+)/v1", line)
+            if m:
+                self.model, self.url = m.group(1), m.group(2)
+                break
+        else:
+            sys.exit(f"server exited with {self.proc.wait()}: {self.log}")
+        # Keep draining its output so that it never blocks on a full pipe.
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait()
+
+    def metrics(self):
+        text = urllib.request.urlopen(f"{self.url}/metrics").read().decode()
+        get = lambda name: next((float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ")), 0.0)
+        return get("dflash_acceptance_length_sum"), get("dflash_acceptance_length_count")
+
+
+def request(server, prompt, max_tokens, mode):
+    """One streaming request: (completion tokens, TTFT s, TPOT s)."""
+    chat = mode == "chat"
+    body = {"model": server.model, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    u = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=3600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    res = conn.getresponse()
+    if res.status != 200:
+        raise RuntimeError(f"HTTP {res.status}: {res.read().decode()}")
+    first = last = 0.0
+    usage = None
+    for raw in res:  # SSE: one "data: {...}" line per event
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        j = json.loads(line[6:])
+        if j.get("usage"):
+            usage = j["usage"]
+        c = j["choices"][0] if j["choices"] else None
+        if c and (c.get("text") or (c.get("delta") or {}).get("content")):
+            last = time.perf_counter()
+            first = first or last
+    conn.close()
+    tokens = usage["completion_tokens"]
+    return tokens, first - t0, (last - first) / (tokens - 1) if tokens > 1 else 0.0
+
+
+def sweep_one(server, prompts, c, max_tokens, mode):
+    acc0 = server.metrics()
+    results, errors, lock = [], [], threading.Lock()
+    queue = list(prompts)
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                p = queue.pop(0)
+            try:
+                r = request(server, p, max_tokens, mode)
+            except Exception as e:  # reported after the sweep
+                with lock:
+                    errors.append(str(e))
+                return
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        sys.exit(f"requests failed: {errors[:3]}")
+    acc1 = server.metrics()
+    tokens = sum(r[0] for r in results)
+    steps = acc1[1] - acc0[1]
+    return {"output_tok_s": tokens / wall, "ttft_ms": 1000 * sum(r[1] for r in results) / len(results),
+            "tpot_ms": 1000 * sum(r[2] for r in results) / len(results),
+            "tau": (acc1[0] - acc0[0]) / steps if steps > 0 else 1.0, "tokens": tokens, "wall_s": wall}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dflash", default="build/dflash")
+    ap.add_argument("--data", default="bench/data/humaneval.jsonl")
+    ap.add_argument("--n", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--mode", choices=["completion", "chat"], default="completion")
+    ap.add_argument("--server-args", default="")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    conc = [int(x) for x in a.concurrency.split(",")]
+    prompts = load_prompts(a.data, a.n, a.mode)
+    rows = []
+    for variant in ("baseline", "dflash"):
+        args = shlex.split(a.server_args) + ["--max-num-seqs", str(max(conc))]
+        if variant == "baseline":
+            args += ["--speculative", "none"]
+        server = Server(a.dflash, args)
+        sys.stderr.write(server.log)
+        try:
+            request(server, prompts[0], 8, a.mode)  # warm-up
+            for c in conc:
+                r = sweep_one(server, prompts, c, a.max_tokens, a.mode)
+                rows.append({"variant": variant, "concurrency": c, **r})
+                sys.stderr.write(f"{variant} c={c}: {r['output_tok_s']:.1f} tok/s\n")
+        finally:
+            server.stop()
+    print("concurrency | variant  | output tok/s | TTFT ms | TPOT ms | tau  | speedup")
+    for c in conc:
+        base = next(r for r in rows if r["variant"] == "baseline" and r["concurrency"] == c)
+        for r in (x for x in rows if x["concurrency"] == c):
+            r["speedup"] = r["output_tok_s"] / base["output_tok_s"]
+            print(f"{c:>11} | {r['variant']:<8} | {r['output_tok_s']:>12.1f} | {r['ttft_ms']:>7.1f} | "
+                  f"{r['tpot_ms']:>7.2f} | {r['tau']:.2f} | {r['speedup']:.2f}x")
+    if a.json:
+        settings = {"data": a.data, "n": a.n, "max_tokens": a.max_tokens, "mode": a.mode,
+                    "server_args": a.server_args, "concurrency": conc}
+        with open(a.json, "w") as f:
+            json.dump({"settings": settings, "rows": rows}, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -45,7 +45,7 @@ void run_dflash(DecodeContext& ctx) {
   prefill.logit_rows = {n_prompt - 1};
   auto out = ctx.target.forward(prefill, ctx.target_cache, layer_ids);
   seq.n_cached = n_prompt;
-  seq.pending = ctx.pick(out.logits, n_prompt)[0];
+  seq.pending = ctx.pick(out.logits, n_prompt);
   project_context(ctx, out.captured, n_prompt, 0);
   st.prefill_ms = ms_since(t0);
   ctx.emit(seq.pending);

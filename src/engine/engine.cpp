@@ -49,9 +49,9 @@ GenerationResult Engine::generate(const std::vector<int32_t>& prompt, const Gene
       std::min<int64_t>(static_cast<int64_t>(prompt.size()) + opts.max_tokens + impl_->m.block_size + 1, cfg.max_positions);
   const int n_pages = static_cast<int>((n_positions + page_size - 1) / page_size);
   KvCache target_cache = impl_->m.target->alloc_cache(n_pages, page_size);
-  PageAllocator target_pages(n_pages, page_size);
+  PagePool target_pages(n_pages, page_size);
   KvCache draft_cache;
-  PageAllocator draft_pages(spec ? n_pages : 0, page_size);
+  PagePool draft_pages(spec ? n_pages : 0, page_size);
   if (spec) draft_cache = impl_->m.draft->alloc_cache(n_pages, page_size);
 
   DecodeContext ctx{*impl_->m.be, *impl_->m.target, spec ? impl_->m.draft.get() : nullptr, target_cache,

@@ -1,5 +1,5 @@
 // Plain decoding: prefill, then one target forward per token.
-#include "engine/sampling.h"
+#include "engine/verification.h"
 #include "engine/sequence.h"
 #include "util/error.h"
 
@@ -17,14 +17,11 @@ bool DecodeContext::emit(int32_t token) {
   return done;
 }
 
-std::vector<int32_t> DecodeContext::pick(const Tensor& logits, int64_t first_position) {
-  std::vector<const SamplingParams*> params(static_cast<size_t>(logits.rows), &opts.sampling);
-  std::vector<int64_t> positions(params.size());
-  for (size_t r = 0; r < positions.size(); ++r) positions[r] = first_position + static_cast<int64_t>(r);
-  return pick_tokens(be, logits, params, positions);
+int32_t DecodeContext::pick(const Tensor& logits, int64_t position) {
+  return verify_blocks(be, logits, {{&opts.sampling, 0, position, nullptr}}, opts.spec_sampling)[0].next;
 }
 
-void reserve_or_throw(PageAllocator& pages, std::vector<int32_t>& table, int64_t n_positions) {
+void reserve_or_throw(PagePool& pages, std::vector<int32_t>& table, int64_t n_positions) {
   check(pages.reserve(table, n_positions), "out of KV-cache pages for ", n_positions, " positions");
 }
 
@@ -41,7 +38,7 @@ void run_plain(DecodeContext& ctx) {
   prefill.logit_rows = {prefill.n_rows() - 1};
   auto out = ctx.target.forward(prefill, ctx.target_cache);
   seq.n_cached = prefill.n_rows();
-  seq.pending = ctx.pick(out.logits, seq.n_cached)[0];
+  seq.pending = ctx.pick(out.logits, seq.n_cached);
   st.prefill_ms = ms_since(t0);
   ctx.emit(seq.pending);
 
@@ -58,7 +55,7 @@ void run_plain(DecodeContext& ctx) {
     out = ctx.target.forward(step, ctx.target_cache);
     seq.tokens.push_back(seq.pending);
     seq.n_cached += 1;
-    seq.pending = ctx.pick(out.logits, seq.n_cached)[0];
+    seq.pending = ctx.pick(out.logits, seq.n_cached);
     st.n_steps += 1;
     ctx.emit(seq.pending);
   }

@@ -148,23 +148,4 @@ std::vector<float> rows_to_host(Backend& be, const Tensor& logits, const std::ve
   return be.to_host(picked);
 }
 
-std::vector<int32_t> pick_tokens(Backend& be, const Tensor& logits, const std::vector<const SamplingParams*>& params,
-                                 const std::vector<int64_t>& positions) {
-  check(params.size() == static_cast<size_t>(logits.rows) && positions.size() == params.size(),
-        "internal: pick_tokens needs one setting and position per row");
-  std::vector<int32_t> sampled_rows;
-  for (size_t r = 0; r < params.size(); ++r)
-    if (params[r] && !params[r]->greedy()) sampled_rows.push_back(static_cast<int32_t>(r));
-  std::vector<int32_t> tokens = sampled_rows.size() == params.size() ? std::vector<int32_t>(params.size())
-                                                                     : be.argmax_rows(logits);
-  const std::vector<float> host = rows_to_host(be, logits, sampled_rows);
-  const auto n = static_cast<int>(logits.cols);
-  for (size_t i = 0; i < sampled_rows.size(); ++i) {
-    const auto r = static_cast<size_t>(sampled_rows[i]);
-    const auto p = distribution(host.data() + static_cast<int64_t>(i) * n, n, *params[r]);
-    tokens[r] = sample(p, uniform(params[r]->seed, positions[r], kTargetSample));
-  }
-  return tokens;
-}
-
 }  // namespace dflash

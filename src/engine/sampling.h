@@ -49,9 +49,4 @@ Verdict verify_draft_token(const std::vector<float>& p, const std::vector<float>
 // Copies the listed rows of `logits` to the host in one transfer, row-major.
 std::vector<float> rows_to_host(Backend& be, const Tensor& logits, const std::vector<int32_t>& rows);
 
-// One token per logits row: argmax where params[r] is greedy (or null), else a
-// sample with uniform(seed, positions[r], kTargetSample).
-std::vector<int32_t> pick_tokens(Backend& be, const Tensor& logits, const std::vector<const SamplingParams*>& params,
-                                 const std::vector<int64_t>& positions);
-
 }  // namespace dflash

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/page_allocator.h"
+#include "engine/page_pool.h"
 #include "kernels/backend.h"
 #include "model/dflash_draft.h"
 #include "model/target_model.h"
@@ -30,8 +30,8 @@ struct DecodeContext {
   DraftModel* draft;                   // null for plain decoding
   KvCache& target_cache;
   KvCache* draft_cache;
-  PageAllocator& target_pages;
-  PageAllocator* draft_pages;
+  PagePool& target_pages;
+  PagePool* draft_pages;
   const GenerateOptions& opts;
   std::unordered_set<int32_t> eos;
   int block_size;
@@ -40,9 +40,9 @@ struct DecodeContext {
 
   // Appends a generated token; true when generation must stop after it.
   bool emit(int32_t token);
-  // The target's token choice (greedy or sampled) for each logits row; row r
-  // chooses the token at position first_position + r.
-  std::vector<int32_t> pick(const Tensor& logits, int64_t first_position);
+  // The target's token choice (greedy or sampled) from one logits row, for the
+  // token at `position`.
+  int32_t pick(const Tensor& logits, int64_t position);
   bool done = false;
 };
 
@@ -52,7 +52,7 @@ inline double ms_since(Clock::time_point t0) {
 }
 
 // Reserves pages so that `table` covers n_positions or throws (the caller sized the pool).
-void reserve_or_throw(PageAllocator& pages, std::vector<int32_t>& table, int64_t n_positions);
+void reserve_or_throw(PagePool& pages, std::vector<int32_t>& table, int64_t n_positions);
 
 void run_plain(DecodeContext& ctx);   // one token per target forward
 void run_dflash(DecodeContext& ctx);  // DFlash speculative decoding (greedy or sampled)

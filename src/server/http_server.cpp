@@ -222,6 +222,10 @@ struct HttpServer::Impl {
       return;
     }
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
+    // When the response ends early (the client went away), the request stops and frees its pages.
+    auto on_release = [this, gen](bool success) {
+      if (!success || !gen->done) engine.cancel(gen->engine_id);
+    };
     if (!cr.stream) {
       // One JSON body. While it is generated, a space each second (JSON allows
       // leading whitespace) shows whether the client is still there: one that
@@ -243,9 +247,7 @@ struct HttpServer::Impl {
             sink.done();
             return true;
           },
-          [this, gen](bool success) {
-            if (!success || !gen->done) engine.cancel(gen->engine_id);
-          });
+          on_release);
       return;
     }
     const bool include_usage = cr.include_usage;
@@ -279,9 +281,7 @@ struct HttpServer::Impl {
           sink.done();
           return true;
         },
-        [this, gen](bool success) {
-          if (!success || !gen->done) engine.cancel(gen->engine_id);  // disconnected: free its pages
-        });
+        on_release);
   }
 };
 

@@ -2,8 +2,10 @@
 # GPU tests and benchmarks. The GPU machine has no package registry, so the
 # build happens where the Debian packages are and the binaries travel:
 #
-#   bash scripts/device-test.sh build       # portable build into build-dev/ (static libstdc++, .so files in lib/)
-#   bash scripts/device-test.sh run OUT     # on the GPU machine, from the repository root, with build-dev/ there:
+#   bash scripts/device-test.sh build       # portable build into build-dev/ (static libstdc++, .so files in lib/),
+#                                           # packed into build-dev/carry.tar.xz
+#   bash scripts/device-test.sh run OUT     # on the GPU machine, from the repository root, with build-dev/ (or
+#                                           # just build-dev/carry.tar.xz) there:
 #                                           #   CUDA kernel and engine tests, logits vs transformers, bench-step,
 #                                           #   serving sweeps
 #
@@ -21,32 +23,40 @@ if [ "$mode" = build ]; then
   cmake --build build-dev -j "$(nproc)" --target dflash dflash_tests
   strip build-dev/dflash build-dev/tests/dflash_tests  # the device call carries at most 64 MiB with the tree
   mkdir -p build-dev/lib
-  for lib in $(ldd build-dev/dflash build-dev/tests/dflash_tests | awk '/pcre2|utf8proc|gomp/ {print $3}' | sort -u); do
+  for lib in $(ldd build-dev/dflash build-dev/tests/dflash_tests | awk '/pcre2|utf8proc|gomp|httplib|ssl|crypto|brotli|libz\./ {print $3}' | sort -u); do
     cp -L "$lib" build-dev/lib/
   done
-  ls -la build-dev/dflash build-dev/tests/dflash_tests build-dev/lib
+  # One compressed file to carry to the GPU machine (the tree and the carried files share a 64 MiB limit).
+  tar -cJf build-dev/carry.tar.xz build-dev/dflash build-dev/tests/dflash_tests build-dev/lib
+  ls -la build-dev/dflash build-dev/tests/dflash_tests build-dev/lib build-dev/carry.tar.xz
   exit 0
 fi
 
 [ "$mode" = run ] || { echo "unknown mode $mode" >&2; exit 2; }
 out=${2:?usage: device-test.sh run OUT}
 mkdir -p "$out"
+if [ -f build-dev/carry.tar.xz ]; then tar -xJf build-dev/carry.tar.xz; fi
 steps=${STEPS:-tests logits bench serving}
-export LD_LIBRARY_PATH="$PWD/build-dev/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 # cuBLASLt comes from the machine: the CUDA toolkit, else the copy PyTorch ships.
 if ! ldconfig -p | grep -q libcublasLt.so.13 && [ ! -e /usr/local/cuda/lib64/libcublasLt.so.13 ]; then
   nv=$(python3 -c "import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], 'lib'))" 2>/dev/null || true)
   [ -n "$nv" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nv"
 fi
 export DFLASH_FIXTURES_DIR="$PWD/tests/fixtures" DFLASH_MODELS_DIR="$PWD/models"
-dflash=build-dev/dflash
+# The carried libraries (build-dev/lib) are seen by our binaries only, never by python3.
+with_libs() { LD_LIBRARY_PATH="$PWD/build-dev/lib:$LD_LIBRARY_PATH" "$@"; }
+printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:$LD_LIBRARY_PATH" exec "%s" "$@"\n' "$PWD/build-dev/lib" "$PWD/build-dev/dflash" \
+  > build-dev/dflash-run
+chmod +x build-dev/dflash-run
+dflash=build-dev/dflash-run
 ckpt=${CKPT_DIR:-/tmp/dflash-ckpt}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
 status=0
 
 if [[ $steps == *tests* ]]; then
   echo "== CUDA kernel and engine tests =="
-  build-dev/tests/dflash_tests --gtest_filter='Cuda*' 2>&1 | tee "$out/tests.txt" || status=1
+  with_libs build-dev/tests/dflash_tests --gtest_filter='*Cuda*' 2>&1 | tee "$out/tests.txt" || status=1
 fi
 
 if [[ $steps == *logits* ]]; then
@@ -73,10 +83,12 @@ if [[ $steps == *serving* ]]; then
   [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
   [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
   tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$ckpt/qwen3-8b/"
-  python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-64}" --concurrency "${SERVE_CONC:-1,8,32}" \
-    --max-tokens 128 --server-args "--device cuda --model $ckpt/qwen3-8b --draft $ckpt/dflash-8b" \
+  # The KV cache takes 0.9 of the memory left after the weights (--gpu-memory-fraction on a GPU).
+  python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
+    --max-tokens 128 \
+    --server-args "--device cuda --model $ckpt/qwen3-8b --draft $ckpt/dflash-8b --gpu-memory-fraction 0.9" \
     --json "$out/serving_gpu_qwen3-8b-shape.json" 2>&1 | tee "$out/serving_gpu_qwen3-8b-shape.txt" || status=1
-  python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-64}" --concurrency "${SERVE_CONC:-1,8,32}" \
+  python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
     --max-tokens 128 --server-args "--device cuda" \
     --json "$out/serving_gpu_bundled.json" 2>&1 | tee "$out/serving_gpu_bundled.txt" || status=1
 fi

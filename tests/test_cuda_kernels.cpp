@@ -150,6 +150,39 @@ TEST_F(CudaOps, HeadNormRopeOnAStridedSlice) {
   }
 }
 
+// The fused attention-input step: bit-identical to the three separate GPU ops
+// (so fused and unfused paths cannot drift apart) and close to the CPU.
+TEST_F(CudaOps, FusedQkvRopeAndCacheWriteEqualsTheSeparateOps) {
+  for (int head_dim : {24, 64, 128, 256}) {
+    for (bool with_norm : {false, true}) {
+      const int n_heads = 8, n_kv = 2, rows = 13, cache_rows = 40;
+      const int64_t width = int64_t{n_heads + 2 * n_kv} * head_dim;
+      auto qkv = random(rows, width), qn = random(1, head_dim), kn = random(1, head_dim);
+      std::vector<int32_t> pos(rows), slots(rows);
+      for (int r = 0; r < rows; ++r) pos[r] = static_cast<int32_t>(rng() % 40000), slots[r] = (7 * r + 3) % cache_rows;
+      std::vector<float> inv_freq(head_dim / 2);
+      for (int i = 0; i < head_dim / 2; ++i) inv_freq[i] = std::pow(1e6f, -2.0f * i / head_dim);
+      auto kc = random(cache_rows, int64_t{n_kv} * head_dim), vc = random(cache_rows, int64_t{n_kv} * head_dim);
+      Tensor qkv2 = gpu->upload_host(qkv.host.data(), rows, width);
+      Tensor kc2 = gpu->upload_host(kc.host.data(), cache_rows, kc.c.cols);
+      Tensor vc2 = gpu->upload_host(vc.host.data(), cache_rows, vc.c.cols);
+      const Tensor* qn_g = with_norm ? &qn.g : nullptr;
+      const Tensor* kn_g = with_norm ? &kn.g : nullptr;
+      gpu->qkv_rope_kv_write(qkv.g, n_heads, n_kv, head_dim, qn_g, kn_g, 1e-6f, pos, inv_freq, kc.g, vc.g, slots);
+      gpu->Backend::qkv_rope_kv_write(qkv2, n_heads, n_kv, head_dim, qn_g, kn_g, 1e-6f, pos, inv_freq, kc2, vc2, slots);
+      cpu->qkv_rope_kv_write(qkv.c, n_heads, n_kv, head_dim, with_norm ? &qn.c : nullptr, with_norm ? &kn.c : nullptr,
+                             1e-6f, pos, inv_freq, kc.c, vc.c, slots);
+      const std::string what = "head_dim=" + std::to_string(head_dim) + (with_norm ? " normed" : "");
+      EXPECT_EQ(gpu->to_host(qkv.g), gpu->to_host(qkv2)) << what;
+      EXPECT_EQ(gpu->to_host(kc.g), gpu->to_host(kc2)) << what;
+      EXPECT_EQ(gpu->to_host(vc.g), gpu->to_host(vc2)) << what;
+      expect_close(qkv, "qkv " + what);
+      expect_close(kc, "k cache " + what);
+      expect_close(vc, "v cache " + what);
+    }
+  }
+}
+
 TEST_F(CudaOps, SwiGlu) {
   for (int64_t n : {7, 1024, 12288}) {
     auto gu = random(9, 2 * n, 2.0f), out = poisoned(9, n);
@@ -184,13 +217,14 @@ class CudaAttention : public CudaOps, public ::testing::WithParamInterface<AttnC
 TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   const AttnCase ac = GetParam();
   const int kv_dim = ac.n_kv_heads * ac.head_dim, q_dim = ac.n_heads * ac.head_dim;
-  const int n_pages = 160;
+  // Five sequences with disjoint page tables: (cached keys, new rows, causal).
+  struct Seq { int n_past, n_new; bool causal; };
+  const Seq seqs[] = {{700, 1, true}, {333, 16, true}, {129, 16, false}, {0, 200, true}, {63, 1, true}};
+  int n_pages = 9;  // a few pages nobody uses
+  for (const auto& s : seqs) n_pages += (s.n_past + s.n_new + ac.page_size - 1) / ac.page_size;
   std::vector<int32_t> perm(n_pages);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
-  // Four sequences with disjoint page tables: (cached keys, new rows, causal).
-  struct Seq { int n_past, n_new; bool causal; };
-  const Seq seqs[] = {{700, 1, true}, {333, 16, true}, {129, 16, false}, {0, 200, true}, {63, 1, true}};
   std::vector<std::vector<int32_t>> tables;
   int next = 0;
   for (const auto& s : seqs) {

@@ -100,6 +100,19 @@ class Backend {
   // cache rows slots[r] <- k[r], v[r]
   virtual void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                         const std::vector<int32_t>& slots) = 0;
+  // A layer's attention inputs from qkv = [q heads | k heads | v heads]: q and k
+  // get head_norm_rope in place, then k and v go to cache rows slots[r]. Backends
+  // may fuse the three steps; the result must be bit-identical to them.
+  virtual void qkv_rope_kv_write(Tensor& qkv, int n_heads, int n_kv_heads, int head_dim, const Tensor* q_norm,
+                                 const Tensor* k_norm, float eps, const std::vector<int32_t>& positions,
+                                 const std::vector<float>& inv_freq, Tensor& k_cache, Tensor& v_cache,
+                                 const std::vector<int32_t>& slots) {
+    const int64_t q_dim = int64_t{n_heads} * head_dim, kv_dim = int64_t{n_kv_heads} * head_dim;
+    Tensor q = qkv.slice_cols(0, q_dim), k = qkv.slice_cols(q_dim, kv_dim), v = qkv.slice_cols(q_dim + kv_dim, kv_dim);
+    head_norm_rope(q, n_heads, head_dim, q_norm, eps, positions, inv_freq);
+    head_norm_rope(k, n_kv_heads, head_dim, k_norm, eps, positions, inv_freq);
+    kv_write(k, v, k_cache, v_cache, slots);
+  }
   // out[r] = softmax(q[r] K^T / sqrt(d)) V over the keys each segment allows.
   virtual void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,

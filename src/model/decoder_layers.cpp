@@ -57,10 +57,9 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
     be.matmul(h, w.qkv, opt(w.qkv_bias), qkv);
-    Tensor q = qkv.slice_cols(0, q_dim), k = qkv.slice_cols(q_dim, kv_dim), v = qkv.slice_cols(q_dim + kv_dim, kv_dim);
-    be.head_norm_rope(q, c.n_heads, c.head_dim, opt(w.q_norm), c.rms_norm_eps, *in.positions, inv_freq);
-    be.head_norm_rope(k, c.n_kv_heads, c.head_dim, opt(w.k_norm), c.rms_norm_eps, *in.positions, inv_freq);
-    be.kv_write(k, v, in.cache->k[l], in.cache->v[l], *in.kv_slots);
+    be.qkv_rope_kv_write(qkv, c.n_heads, c.n_kv_heads, c.head_dim, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps,
+                         *in.positions, inv_freq, in.cache->k[l], in.cache->v[l], *in.kv_slots);
+    const Tensor q = qkv.slice_cols(0, q_dim);
     AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
     be.attention(q, in.cache->k[l], in.cache->v[l], *in.segments, *in.positions, ap, attn);
     be.matmul(attn, w.o, opt(w.o_bias), delta);

@@ -1,24 +1,29 @@
 // Attention over the paged KV cache with GQA, one kernel for every mode:
 // decode (one query), verification (causal inside the block), the draft block
-// (no mask) and prefill. A warp owns one (query row, head, split); a split is
-// kAttnSplitKeys consecutive key positions, counted from key 0, so a row's
-// splits and their combination order depend only on that row's visible keys:
-// a token's attention output is the same alone or inside a batch.
+// (no mask) and prefill. A warp owns one (query row, KV head, split) and serves
+// every query head of that KV head's group (up to kMaxGroup at a time), so each
+// key and value row is read once per group. A split is kAttnSplitKeys
+// consecutive key positions counted from key 0, so a row's splits and their
+// combination order depend only on that row's visible keys: a token's
+// attention output is the same alone or inside a batch.
 //
-// In a split, lane j scores key base + j (a full dot product over head_dim),
-// the warp keeps an online softmax, and lane l accumulates output dims
-// l, l + 32, ... . Several splits are combined by a second kernel.
+// Lane l holds head dims [l*D, l*D + D). Keys go in tiles of 32: each K row is
+// read by the whole warp (coalesced), the 32 partial dot products of a lane are
+// summed across lanes by a transposing butterfly (31 shuffles leave key j's
+// score in lane j), the warp keeps an online softmax per head, and V rows are
+// read coalesced too. Several splits are combined by a second kernel.
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/launch.h"
 
 namespace dflash::cuda {
 namespace {
 
-constexpr int kHeadsPerBlock = 4;
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGroup = 8;  // query heads per warp
+constexpr unsigned kFull = 0xffffffffu;
 
 struct Visible {
   int begin, end;  // keys [begin, end)
@@ -33,102 +38,216 @@ __device__ __forceinline__ Visible visible_keys(const AttnRow& r, int window) {
 __device__ __forceinline__ int n_splits_of(const Visible& v) { return (v.end + kAttnSplitKeys - 1) / kAttnSplitKeys; }
 
 __device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
 __device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
 }
 
-__device__ __forceinline__ const __nv_bfloat16* key_row(const bf16* cache, int64_t stride, const int32_t* pages,
-                                                        int page_size, int key, int kv_head, int head_dim) {
-  const int64_t slot = static_cast<int64_t>(pages[key / page_size]) * page_size + key % page_size;
-  return reinterpret_cast<const __nv_bfloat16*>(cache + slot * stride + static_cast<int64_t>(kv_head) * head_dim);
+// One butterfly step: lanes with bit O keep the upper half of v[0, 2*O) and
+// add their partner's copy of it; the others keep the lower half.
+template <int O>
+__device__ __forceinline__ void transpose_step(float (&v)[32], bool upper) {
+#pragma unroll
+  for (int i = 0; i < O; ++i) {
+    const float send = upper ? v[i] : v[i + O];
+    const float keep = upper ? v[i + O] : v[i];
+    v[i] = keep + __shfl_xor_sync(kFull, send, O);
+  }
 }
 
-// DPL: output dims per lane (head_dim <= 32 * DPL).
-template <int DPL>
-__global__ void __launch_bounds__(32 * kHeadsPerBlock)
+// v[j] are one lane's partial sums for keys j = 0..31; returns, in lane l, the
+// sum over all lanes for key l (a fixed order: independent of the batch).
+__device__ __forceinline__ float transpose_sum(float (&v)[32], int lane) {
+  transpose_step<16>(v, lane & 16);
+  transpose_step<8>(v, lane & 8);
+  transpose_step<4>(v, lane & 4);
+  transpose_step<2>(v, lane & 2);
+  transpose_step<1>(v, lane & 1);
+  return v[0];
+}
+
+// D bf16 values of a row, loaded as one raw word (2 to 16 bytes).
+template <int D>
+using Raw = std::conditional_t<D == 1, uint16_t, std::conditional_t<D == 2, uint32_t,
+                               std::conditional_t<D == 4, uint2, uint4>>>;
+
+template <int D>
+__device__ __forceinline__ Raw<D> load_raw(const bf16* p) {
+  if constexpr (D == 1) return *p;
+  else return __ldg(reinterpret_cast<const Raw<D>*>(p));
+}
+
+template <int D>
+__device__ __forceinline__ void unpack(const Raw<D>& raw, float (&f)[D]) {
+  if constexpr (D == 1) {
+    f[0] = __bfloat162float(__ushort_as_bfloat16(raw));
+  } else {
+    const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) {
+      const float2 x = __bfloat1622float2(h2[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
+}
+
+constexpr int kTileWarps = kAttnSplitKeys / 32;  // one 32-key tile per warp; the block is one split
+
+// D: head dims per lane (head_dim <= 32 * D, head_dim % D == 0).
+template <int D>
+__global__ void __launch_bounds__(32 * kTileWarps)
     attention_kernel(const bf16* q, int64_t q_stride, const bf16* kc, int64_t k_stride, const bf16* vc,
                      int64_t v_stride, const AttnRow* rows, const int32_t* page_tables, AttnShape shp,
                      float* workspace, int max_splits, bf16* out, int64_t out_stride) {
-  __shared__ float q_s[kHeadsPerBlock][kMaxHeadDim];
+  constexpr bool kKeepK = D <= 4;     // K tile in registers, reused by every head of the group
+  constexpr int kVBatch = D <= 4 ? 16 : 8;  // V rows loaded together
+  __shared__ float other[kTileWarps - 1][kMaxGroup][2 + 32 * D];  // later warps' (m, l, acc) per head
+
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int head_groups = (shp.n_heads + kHeadsPerBlock - 1) / kHeadsPerBlock;
-  const int row = blockIdx.x / head_groups;
-  const int head = (blockIdx.x % head_groups) * kHeadsPerBlock + warp;
+  const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kMaxGroup - 1) / kMaxGroup;
+  const int chunk = blockIdx.x % chunks, kv_head = (blockIdx.x / chunks) % shp.n_kv_heads;
+  const int row = blockIdx.x / chunks / shp.n_kv_heads;
   const int split = blockIdx.y;
   const AttnRow r = rows[row];
   const Visible vis = visible_keys(r, shp.sliding_window);
   const int n_splits = n_splits_of(vis);
-  if (head >= shp.n_heads || (split >= n_splits && !(split == 0 && n_splits == 0))) return;
-  const int hd = shp.head_dim;
-  const int kv_head = head / (shp.n_heads / shp.n_kv_heads);
+  if (split >= max(n_splits, 1)) return;  // the whole block leaves together
+  const int hd = shp.head_dim, h0 = kv_head * group + chunk * kMaxGroup;
+  const int nh = min(kMaxGroup, group - chunk * kMaxGroup);
+  const bool has_dims = lane * D < hd;
+  const int64_t k_off = static_cast<int64_t>(kv_head) * hd + lane * D;
   const float scale = rsqrtf(static_cast<float>(hd));
-  const auto* qv = reinterpret_cast<const __nv_bfloat16*>(q + row * q_stride + static_cast<int64_t>(head) * hd);
-  for (int d = lane; d < hd; d += 32) q_s[warp][d] = __bfloat162float(qv[d]) * scale;
-  __syncwarp();
 
+  float qf[kMaxGroup][D], acc[kMaxGroup][D], m[kMaxGroup], l[kMaxGroup];
+#pragma unroll
+  for (int h = 0; h < kMaxGroup; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.0f;  // this lane's share of the softmax denominator
+#pragma unroll
+    for (int i = 0; i < D; ++i) qf[h][i] = acc[h][i] = 0.0f;
+    if (h < nh && has_dims) {
+      unpack<D>(load_raw<D>(q + row * q_stride + static_cast<int64_t>(h0 + h) * hd + lane * D), qf[h]);
+#pragma unroll
+      for (int i = 0; i < D; ++i) qf[h][i] *= scale;
+    }
+  }
+
+  // This warp's tile: keys [base, base + 32) of the split.
   const int32_t* pages = page_tables + r.page_offset;
   const int lo = max(vis.begin, split * kAttnSplitKeys), hi = min(vis.end, (split + 1) * kAttnSplitKeys);
-  float m = -INFINITY, l = 0.0f, acc[DPL];
-#pragma unroll
-  for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-  for (int base = split * kAttnSplitKeys; base < hi; base += 32) {
+  const int base = split * kAttnSplitKeys + warp * 32;
+  const int j_lo = max(lo - base, 0), j_hi = min(hi - base, 32);  // visible keys of the tile (warp-uniform)
+  if (j_lo < j_hi) {
     const int key = base + lane;
-    float score = -INFINITY;
-    if (key >= lo && key < hi) {
-      const __nv_bfloat16* kr = key_row(kc, k_stride, pages, shp.page_size, key, kv_head, hd);
-      float s = 0.0f;
-      for (int d = 0; d < hd; d += 8) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(kr + d);
-        const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const bool visible = key >= lo && key < hi;
+    const int64_t slot = visible ? static_cast<int64_t>(pages[key / shp.page_size]) * shp.page_size +
+                                       key % shp.page_size
+                                 : 0;
+    auto present = [&](int j) { return j >= j_lo && j < j_hi && has_dims; };
+    Raw<D> kt[kKeepK ? 32 : 1];
+    if constexpr (kKeepK) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h2[i]);
-          s += q_s[warp][d + 2 * i] * f.x + q_s[warp][d + 2 * i + 1] * f.y;
+      for (int j = 0; j < 32; ++j) {
+        const int64_t sj = __shfl_sync(kFull, slot, j);
+        kt[j] = present(j) ? load_raw<D>(kc + sj * k_stride + k_off) : Raw<D>{};
+      }
+    }
+    float p[kMaxGroup];
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; ++h) {
+      p[h] = 0.0f;
+      if (h >= nh) continue;
+      float part[32];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        float kf[D];
+        if constexpr (kKeepK) {
+          unpack<D>(kt[j], kf);
+        } else {
+          const int64_t sj = __shfl_sync(kFull, slot, j);
+          unpack<D>(present(j) ? load_raw<D>(kc + sj * k_stride + k_off) : Raw<D>{}, kf);
+        }
+        part[j] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < D; ++i) part[j] += qf[h][i] * kf[i];
+      }
+      const float sum = transpose_sum(part, lane);  // every lane takes part in the shuffles
+      const float score = visible ? sum : -INFINITY;
+      m[h] = warp_max(score);  // finite: the tile has a visible key
+      p[h] = visible ? __expf(score - m[h]) : 0.0f;
+      l[h] = p[h];
+    }
+#pragma unroll
+    for (int c = 0; c < 32; c += kVBatch) {
+      if (c >= j_hi || c + kVBatch <= j_lo) continue;
+      Raw<D> vt[kVBatch];
+#pragma unroll
+      for (int u = 0; u < kVBatch; ++u) {
+        const int64_t sj = __shfl_sync(kFull, slot, c + u);
+        vt[u] = present(c + u) ? load_raw<D>(vc + sj * v_stride + k_off) : Raw<D>{};
+      }
+#pragma unroll
+      for (int u = 0; u < kVBatch; ++u) {
+        float vf[D];
+        unpack<D>(vt[u], vf);
+#pragma unroll
+        for (int h = 0; h < kMaxGroup; ++h) {
+          if (h >= nh) continue;
+          const float pj = __shfl_sync(kFull, p[h], c + u);
+#pragma unroll
+          for (int i = 0; i < D; ++i) acc[h][i] += pj * vf[i];
         }
       }
-      score = s;
-    }
-    const float m_new = fmaxf(m, warp_max(score));
-    if (m_new == -INFINITY) continue;  // nothing visible yet
-    const float p = score == -INFINITY ? 0.0f : __expf(score - m_new);
-    const float correction = __expf(m - m_new);
-    l = l * correction + warp_sum(p);
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[i] *= correction;
-    m = m_new;
-    const int n_here = min(32, hi - base);
-    for (int j = 0; j < n_here; ++j) {
-      const float pj = __shfl_sync(0xffffffffu, p, j);
-      if (base + j < lo) continue;
-      const __nv_bfloat16* vr = key_row(vc, v_stride, pages, shp.page_size, base + j, kv_head, hd);
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) {
-        const int d = lane + 32 * i;
-        if (d < hd) acc[i] += pj * __bfloat162float(vr[d]);
-      }
     }
   }
+#pragma unroll
+  for (int h = 0; h < kMaxGroup; ++h) l[h] = warp_sum(l[h]);
 
-  if (n_splits <= 1) {
-    auto* o = reinterpret_cast<__nv_bfloat16*>(out + row * out_stride + static_cast<int64_t>(head) * hd);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  // The block's warps merge in warp order (a fixed order: batch-independent).
+  if (warp > 0) {
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) {
-      const int d = lane + 32 * i;
-      if (d < hd) o[d] = __float2bfloat16(acc[i] * inv);
+    for (int h = 0; h < kMaxGroup; ++h) {
+      if (h >= nh) continue;
+      float* o = other[warp - 1][h];
+      if (lane == 0) o[0] = m[h], o[1] = l[h];
+#pragma unroll
+      for (int i = 0; i < D; ++i) o[2 + lane * D + i] = acc[h][i];
     }
-    return;
   }
-  float* part = workspace + ((static_cast<int64_t>(row) * shp.n_heads + head) * max_splits + split) * (hd + 2);
-  if (lane == 0) part[0] = m, part[1] = l;
+  __syncthreads();
+  if (warp > 0) return;
 #pragma unroll
-  for (int i = 0; i < DPL; ++i) {
-    const int d = lane + 32 * i;
-    if (d < hd) part[2 + d] = acc[i];
+  for (int h = 0; h < kMaxGroup; ++h) {
+    if (h >= nh) continue;
+    for (int w = 0; w < kTileWarps - 1; ++w) {
+      const float* o = other[w][h];
+      const float m_new = fmaxf(m[h], o[0]);
+      if (m_new == -INFINITY) continue;  // neither has a visible key
+      const float c_self = __expf(m[h] - m_new), c_other = __expf(o[0] - m_new);
+      l[h] = l[h] * c_self + o[1] * c_other;
+#pragma unroll
+      for (int i = 0; i < D; ++i) acc[h][i] = acc[h][i] * c_self + o[2 + lane * D + i] * c_other;
+      m[h] = m_new;
+    }
+    const int head = h0 + h;
+    if (n_splits <= 1) {
+      if (!has_dims) continue;
+      auto* o = reinterpret_cast<__nv_bfloat16*>(out + row * out_stride + static_cast<int64_t>(head) * hd + lane * D);
+      const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < D; ++i) o[i] = __float2bfloat16(acc[h][i] * inv);
+      continue;
+    }
+    float* part = workspace + ((static_cast<int64_t>(row) * shp.n_heads + head) * max_splits + split) * (hd + 2);
+    if (lane == 0) part[0] = m[h], part[1] = l[h];
+    if (has_dims) {
+#pragma unroll
+      for (int i = 0; i < D; ++i) part[2 + lane * D + i] = acc[h][i];
+    }
   }
 }
 
@@ -176,17 +295,16 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
                       cudaStream_t s) {
   if (n_rows == 0) return;
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
-  const int head_groups = (shp.n_heads + kHeadsPerBlock - 1) / kHeadsPerBlock;
-  const dim3 grid(static_cast<unsigned>(n_rows * head_groups), static_cast<unsigned>(splits));
-  const int dpl = (shp.head_dim + 31) / 32;
+  const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kMaxGroup - 1) / kMaxGroup;
+  const dim3 grid(static_cast<unsigned>(n_rows * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
   auto run = [&](auto kernel) {
-    kernel<<<grid, 32 * kHeadsPerBlock, 0, s>>>(q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
-                                                v_cache.stride, rows, page_tables, shp, workspace, splits, out.data,
-                                                out.stride);
+    kernel<<<grid, 32 * kTileWarps, 0, s>>>(q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
+                                            v_cache.stride, rows, page_tables, shp, workspace, splits, out.data,
+                                            out.stride);
   };
-  if (dpl <= 1) run(attention_kernel<1>);
-  else if (dpl <= 2) run(attention_kernel<2>);
-  else if (dpl <= 4) run(attention_kernel<4>);
+  if (shp.head_dim <= 32) run(attention_kernel<1>);
+  else if (shp.head_dim <= 64) run(attention_kernel<2>);
+  else if (shp.head_dim <= 128) run(attention_kernel<4>);
   else run(attention_kernel<8>);
   if (splits > 1) {
     const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;

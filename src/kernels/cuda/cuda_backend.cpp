@@ -328,6 +328,21 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH();
   }
 
+  void qkv_rope_kv_write(Tensor& qkv, int n_heads, int n_kv_heads, int head_dim, const Tensor* q_norm,
+                         const Tensor* k_norm, float eps, const std::vector<int32_t>& positions,
+                         const std::vector<float>& inv_freq, Tensor& k_cache, Tensor& v_cache,
+                         const std::vector<int32_t>& slots) override {
+    check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
+    check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+    check(qkv.cols == int64_t{n_heads + 2 * n_kv_heads} * head_dim, "cuda backend: qkv shape mismatch");
+    for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
+    auto ptr = [](const Tensor* t) { return t ? static_cast<const bf16*>(t->data) : nullptr; };
+    cuda::launch_qkv_rope_kv_write(mat(qkv), n_heads, n_kv_heads, head_dim, ptr(q_norm), ptr(k_norm), eps,
+                                   stage(positions), device_inv_freq(inv_freq), mat(k_cache), mat(v_cache),
+                                   stage(slots), s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
   void swiglu(const Tensor& gate_up, Tensor& out) override {
     check(gate_up.cols == 2 * out.cols, "cuda backend: swiglu shape mismatch");
     cuda::launch_swiglu(mat(gate_up), mat(out), s_);

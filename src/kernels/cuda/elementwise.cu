@@ -83,22 +83,20 @@ __global__ void add_rms_norm_kernel(bf16* res, int64_t res_stride, const bf16* d
 // One warp per (row, head); lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ...
 constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
 
-__global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int head_dim, const bf16* norm_w,
-                                      float eps, const int32_t* positions, const float* inv_freq, int64_t n_items) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (item >= n_items) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t row = item / n_heads;
-  const int head = static_cast<int>(item % n_heads);
-  bf16* v = x + row * stride + static_cast<int64_t>(head) * head_dim;
+// One warp normalizes and rotates one head of head_dim values read from src:
+// lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ... . The
+// result goes to dst (may alias src) and, when dst2 is set, also to dst2.
+__device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16* dst2, int head_dim,
+                                               const bf16* norm_w, float eps, float pos, const float* inv_freq,
+                                               int lane) {
   const int half = head_dim / 2;
   float a[kMaxPairsPerLane], b[kMaxPairsPerLane];
   float ss = 0.0f;
 #pragma unroll
   for (int p = 0; p < kMaxPairsPerLane; ++p) {
     const int i = lane + 32 * p;
-    a[p] = i < half ? ld(v + i) : 0.0f;
-    b[p] = i < half ? ld(v + i + half) : 0.0f;
+    a[p] = i < half ? ld(src + i) : 0.0f;
+    b[p] = i < half ? ld(src + i + half) : 0.0f;
     ss += a[p] * a[p] + b[p] * b[p];
   }
   if (norm_w) {
@@ -111,7 +109,6 @@ __global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int 
       b[p] = round_bf(ld(norm_w + i + half) * round_bf(b[p] * scale));
     }
   }
-  const float pos = static_cast<float>(positions[row]);
 #pragma unroll
   for (int p = 0; p < kMaxPairsPerLane; ++p) {
     const int i = lane + 32 * p;
@@ -120,9 +117,52 @@ __global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int 
     sincosf(pos * inv_freq[i], &sn, &cs);
     cs = round_bf(cs);
     sn = round_bf(sn);
-    st(v + i, round_bf(a[p] * cs) + round_bf(-b[p] * sn));
-    st(v + i + half, round_bf(b[p] * cs) + round_bf(a[p] * sn));
+    const float lo = round_bf(a[p] * cs) + round_bf(-b[p] * sn), hi = round_bf(b[p] * cs) + round_bf(a[p] * sn);
+    st(dst + i, lo);
+    st(dst + i + half, hi);
+    if (dst2) {
+      st(dst2 + i, lo);
+      st(dst2 + i + half, hi);
+    }
   }
+}
+
+// One warp per (row, head).
+__global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int head_dim, const bf16* norm_w,
+                                      float eps, const int32_t* positions, const float* inv_freq, int64_t n_items) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (item >= n_items) return;
+  const int64_t row = item / n_heads;
+  bf16* v = x + row * stride + (item % n_heads) * head_dim;
+  norm_rope_head(v, v, nullptr, head_dim, norm_w, eps, static_cast<float>(positions[row]), inv_freq,
+                 threadIdx.x % 32);
+}
+
+// One warp per (row, q or k head): q heads as head_norm_rope_kernel; a k head
+// is normalized, rotated and written to the cache together with its v head.
+__global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads, int n_kv_heads, int head_dim,
+                                         const bf16* q_norm, const bf16* k_norm, float eps, const int32_t* positions,
+                                         const float* inv_freq, bf16* kc, int64_t kc_stride, bf16* vc,
+                                         int64_t vc_stride, const int32_t* slots, int64_t n_items) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (item >= n_items) return;
+  const int lane = threadIdx.x % 32, per_row = n_heads + n_kv_heads;
+  const int64_t row = item / per_row;
+  const int head = static_cast<int>(item % per_row);
+  const float pos = static_cast<float>(positions[row]);
+  bf16* x = qkv + row * stride;
+  if (head < n_heads) {
+    bf16* v = x + static_cast<int64_t>(head) * head_dim;
+    norm_rope_head(v, v, nullptr, head_dim, q_norm, eps, pos, inv_freq, lane);
+    return;
+  }
+  const int kvh = head - n_heads;
+  const int64_t slot = slots[row], q_dim = static_cast<int64_t>(n_heads) * head_dim,
+                kv_dim = static_cast<int64_t>(n_kv_heads) * head_dim, off = static_cast<int64_t>(kvh) * head_dim;
+  bf16* k = x + q_dim + off;
+  norm_rope_head(k, k, kc + slot * kc_stride + off, head_dim, k_norm, eps, pos, inv_freq, lane);
+  const bf16* v = x + q_dim + kv_dim + off;
+  for (int i = lane; i < head_dim; i += 32) vc[slot * vc_stride + off + i] = v[i];
 }
 
 __global__ void swiglu_kernel(const bf16* gu, int64_t gu_stride, int64_t n, bf16* out, int64_t out_stride) {
@@ -228,6 +268,17 @@ void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w,
   constexpr int kWarps = 4;
   head_norm_rope_kernel<<<static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, 0, s>>>(
       x.data, x.stride, n_heads, head_dim, norm_w, eps, positions, inv_freq, n_items);
+}
+
+void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim, const bf16* q_norm,
+                              const bf16* k_norm, float eps, const int32_t* positions, const float* inv_freq,
+                              Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s) {
+  const int64_t n_items = qkv.rows * (n_heads + n_kv_heads);
+  if (n_items == 0) return;
+  constexpr int kWarps = 4;
+  qkv_rope_kv_write_kernel<<<static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, 0, s>>>(
+      qkv.data, qkv.stride, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, positions, inv_freq, k_cache.data,
+      k_cache.stride, v_cache.data, v_cache.stride, slots, n_items);
 }
 
 // Row-indexed grids put rows on gridDim.y (at most 65535 per launch).

@@ -27,6 +27,12 @@ void launch_add_rms_norm(Mat residual, const Mat& delta, const bf16* w, float ep
 // In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE.
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
                            const float* inv_freq, cudaStream_t s);
+// qkv = [q | k | v] heads: q and k heads get launch_head_norm_rope's treatment
+// in place (with q_norm / k_norm, either may be null), then k and v rows go to
+// cache rows slots[r], as launch_kv_write: three launches in one.
+void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim, const bf16* q_norm,
+                              const bf16* k_norm, float eps, const int32_t* positions, const float* inv_freq,
+                              Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s);
 // out = silu(gate_up[:, :n]) * gate_up[:, n:], n = out.cols
 void launch_swiglu(const Mat& gate_up, Mat out, cudaStream_t s);
 // k_cache[slots[r]] = k[r]; v_cache[slots[r]] = v[r]

@@ -11,7 +11,7 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits bench serving" (default: all four).
+# Steps can be chosen with STEPS="tests logits bench profile serving" (default: all but profile).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -76,6 +76,23 @@ if [[ $steps == *bench* ]]; then
     --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512,2048}" --json "$out/bench_step.json" \
     2>&1 | tee "$out/bench_step.txt" || status=1
 fi
+if [[ $steps == *profile* ]]; then
+  # Per-kernel GPU time of batch-1 steps at context 512 (plain and dflash graphs, every node
+  # traced), from Nsight Systems when the machine has it.
+  echo "== profile: bench-step batch 1, context 512 under nsys =="
+  nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1 || true)
+  if [ -z "$nsys" ]; then
+    echo "nsys not found: no profile" | tee "$out/profile.txt"
+  else
+    [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+    [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+    "$nsys" profile --cuda-graph-trace=node --trace=cuda -o "$ckpt/profile" --force-overwrite true \
+      "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --batch 1 --context 512 \
+      --iters 20 --warmup 3 > "$out/profile_run.txt" 2>&1 || status=1
+    "$nsys" stats --report cuda_gpu_kern_sum --format csv "$ckpt/profile.nsys-rep" > "$out/profile_kernels.csv" 2>&1 || status=1
+  fi
+fi
+
 if [[ $steps == *serving* ]]; then
   # Step times with the 8B-shaped random pair (the Qwen3 tokenizer from the test fixtures; its
   # random drafts are never accepted), tau with the bundled pair.

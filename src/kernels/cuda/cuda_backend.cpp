@@ -378,8 +378,7 @@ class CudaBackend final : public Backend {
     const cuda::AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
     const int64_t ws = cuda::attention_workspace_bytes(static_cast<int>(q.rows), max_keys, shape);
     float* workspace = static_cast<float*>(workspace_for(ws));
-    const auto* d_rows =
-        static_cast<const cuda::AttnRow*>(active_ring_->put(rows.data(), rows.size() * sizeof(rows[0])));
+    const auto* d_rows = static_cast<const cuda::AttnRow*>(stage_bytes(rows.data(), rows.size() * sizeof(rows[0])));
     cuda::launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows), max_keys,
                            stage(tables), shape, workspace, mat(out), s_);
     CUDA_CHECK_LAUNCH();
@@ -410,20 +409,28 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kArgmaxCap = 4096;
 
   const int32_t* stage(const std::vector<int32_t>& v) {
-    if (v.empty()) return nullptr;
+    return static_cast<const int32_t*>(stage_bytes(v.data(), v.size() * sizeof(int32_t)));
+  }
+
+  // Copies batch metadata to the device once: a vector equal to one of the last
+  // few staged (positions, slots, attention rows are the same for every layer)
+  // reuses that copy, so a step holds one upload of each, not one per layer.
+  const void* stage_bytes(const void* data, size_t bytes) {
+    if (bytes == 0) return nullptr;
     if (active_ring_->n_wraps() != recent_wraps_) {
       recent_.clear();
       recent_wraps_ = active_ring_->n_wraps();
     }
+    const std::string key(static_cast<const char*>(data), bytes);
     for (const auto& [host, dev] : recent_)
-      if (host == v) return dev;
-    const auto* d = static_cast<const int32_t*>(active_ring_->put(v.data(), v.size() * sizeof(int32_t)));
+      if (host == key) return dev;
+    const void* d = active_ring_->put(data, bytes);
     if (active_ring_->n_wraps() != recent_wraps_) {  // this put wrapped: older entries are gone
       recent_.clear();
       recent_wraps_ = active_ring_->n_wraps();
     }
     if (recent_.size() >= 8) recent_.erase(recent_.begin());
-    recent_.emplace_back(v, d);
+    recent_.emplace_back(key, d);
     return d;
   }
 
@@ -477,7 +484,7 @@ class CudaBackend final : public Backend {
   StagingRing* active_ring_ = nullptr;  // ring_, or the ring of the graph being captured
   // Recent uploads (contents -> device copy) of the active ring, valid until it wraps:
   // the positions and slots every layer passes are copied once per forward.
-  std::vector<std::pair<std::vector<int32_t>, const int32_t*>> recent_;
+  std::vector<std::pair<std::string, const void*>> recent_;
   uint64_t recent_wraps_ = 0;
   // Graph capture: temporaries come from a bump arena so that replays reuse their addresses.
   void* arena_ = nullptr;

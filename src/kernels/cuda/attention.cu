@@ -1,17 +1,15 @@
 // Attention over the paged KV cache with GQA, one kernel for every mode:
 // decode (one query), verification (causal inside the block), the draft block
-// (no mask) and prefill. A warp owns one (query row, KV head, split) and serves
-// every query head of that KV head's group (up to kMaxGroup at a time), so each
-// key and value row is read once per group. A split is kAttnSplitKeys
-// consecutive key positions counted from key 0, so a row's splits and their
-// combination order depend only on that row's visible keys: a token's
-// attention output is the same alone or inside a batch.
+// (no mask) and prefill. A block of two warps owns one (query row, KV head,
+// split of kAttnSplitKeys keys) and serves every query head of that KV head's
+// group, so each key and value row is read once per group. Splits count from
+// key 0, so a row's splits and their combination order depend only on its own
+// visible keys: a token's attention output is the same alone or in a batch.
 //
-// Lane l holds head dims [l*D, l*D + D). Keys go in tiles of 32: each K row is
-// read by the whole warp (coalesced), the 32 partial dot products of a lane are
-// summed across lanes by a transposing butterfly (31 shuffles leave key j's
-// score in lane j), the warp keeps an online softmax per head, and V rows are
-// read coalesced too. Several splits are combined by a second kernel.
+// Each warp takes 32 keys: lane j reads key j's row and scores it for every
+// head, the warp takes the softmax of its tile, then reads the value rows
+// coalesced (lane l owns dims [l*D, l*D + D)), several in flight. The two warps
+// merge in order; several splits are combined by a second kernel.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -22,7 +20,8 @@
 namespace dflash::cuda {
 namespace {
 
-constexpr int kMaxGroup = 8;  // query heads per warp
+// Query heads per warp: the group rounded up to 1, 2, 4 or 8; larger groups go in chunks of 8.
+constexpr int kGroupChunk(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
 constexpr unsigned kFull = 0xffffffffu;
 
 struct Visible {
@@ -44,29 +43,6 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
-}
-
-// One butterfly step: lanes with bit O keep the upper half of v[0, 2*O) and
-// add their partner's copy of it; the others keep the lower half.
-template <int O>
-__device__ __forceinline__ void transpose_step(float (&v)[32], bool upper) {
-#pragma unroll
-  for (int i = 0; i < O; ++i) {
-    const float send = upper ? v[i] : v[i + O];
-    const float keep = upper ? v[i + O] : v[i];
-    v[i] = keep + __shfl_xor_sync(kFull, send, O);
-  }
-}
-
-// v[j] are one lane's partial sums for keys j = 0..31; returns, in lane l, the
-// sum over all lanes for key l (a fixed order: independent of the batch).
-__device__ __forceinline__ float transpose_sum(float (&v)[32], int lane) {
-  transpose_step<16>(v, lane & 16);
-  transpose_step<8>(v, lane & 8);
-  transpose_step<4>(v, lane & 4);
-  transpose_step<2>(v, lane & 2);
-  transpose_step<1>(v, lane & 1);
-  return v[0];
 }
 
 // D bf16 values of a row, loaded as one raw word (2 to 16 bytes).
@@ -96,19 +72,24 @@ __device__ __forceinline__ void unpack(const Raw<D>& raw, float (&f)[D]) {
 }
 
 constexpr int kTileWarps = kAttnSplitKeys / 32;  // one 32-key tile per warp; the block is one split
+constexpr int kVBatch = 8;                       // V rows loaded together
 
-// D: head dims per lane (head_dim <= 32 * D, head_dim % D == 0).
-template <int D>
+// D: head dims per lane in the V phase (head_dim <= 32 * D); G: query heads per
+// warp (the group, or a chunk of it, is at most G). Loops stay loops where they
+// can: each warp runs the code once, so a fully unrolled body would be fetched
+// from memory instruction by instruction.
+template <int D, int G>
 __global__ void __launch_bounds__(32 * kTileWarps)
     attention_kernel(const bf16* q, int64_t q_stride, const bf16* kc, int64_t k_stride, const bf16* vc,
                      int64_t v_stride, const AttnRow* rows, const int32_t* page_tables, AttnShape shp,
                      float* workspace, int max_splits, bf16* out, int64_t out_stride) {
-  constexpr bool kKeepK = D <= 4;     // K tile in registers, reused by every head of the group
-  constexpr int kVBatch = D <= 4 ? 16 : 8;  // V rows loaded together
-  __shared__ float other[kTileWarps - 1][kMaxGroup][2 + 32 * D];  // later warps' (m, l, acc) per head
+  constexpr int kChunks = 4 * D;  // 8-value chunks of a key row (head_dim <= 32 * D)
+  __shared__ __align__(16) float q_s[G][32 * D];        // scaled queries
+  __shared__ float p_s[kTileWarps][G][32];              // scores, then probabilities, per key
+  __shared__ float other[kTileWarps - 1][G][2 + 32 * D];  // later warps' (m, l, acc) per head
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kMaxGroup - 1) / kMaxGroup;
+  const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + G - 1) / G;
   const int chunk = blockIdx.x % chunks, kv_head = (blockIdx.x / chunks) % shp.n_kv_heads;
   const int row = blockIdx.x / chunks / shp.n_kv_heads;
   const int split = blockIdx.y;
@@ -116,27 +97,29 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   const Visible vis = visible_keys(r, shp.sliding_window);
   const int n_splits = n_splits_of(vis);
   if (split >= max(n_splits, 1)) return;  // the whole block leaves together
-  const int hd = shp.head_dim, h0 = kv_head * group + chunk * kMaxGroup;
-  const int nh = min(kMaxGroup, group - chunk * kMaxGroup);
+  const int hd = shp.head_dim, h0 = kv_head * group + chunk * G;
+  const int nh = min(G, group - chunk * G);
   const bool has_dims = lane * D < hd;
-  const int64_t k_off = static_cast<int64_t>(kv_head) * hd + lane * D;
+  const int64_t head_off = static_cast<int64_t>(kv_head) * hd;
   const float scale = rsqrtf(static_cast<float>(hd));
 
-  float qf[kMaxGroup][D], acc[kMaxGroup][D], m[kMaxGroup], l[kMaxGroup];
+  for (int i = threadIdx.x; i < G * 32 * D; i += blockDim.x) {
+    const int h = i / (32 * D), d = i % (32 * D);
+    const bf16* qh = q + row * q_stride + static_cast<int64_t>(h0 + h) * hd;
+    q_s[h][d] = h < nh && d < hd ? __bfloat162float(__ushort_as_bfloat16(qh[d])) * scale : 0.0f;
+  }
+  __syncthreads();
+
+  float acc[G][D], m[G], l[G];
 #pragma unroll
-  for (int h = 0; h < kMaxGroup; ++h) {
+  for (int h = 0; h < G; ++h) {
     m[h] = -INFINITY;
-    l[h] = 0.0f;  // this lane's share of the softmax denominator
+    l[h] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < D; ++i) qf[h][i] = acc[h][i] = 0.0f;
-    if (h < nh && has_dims) {
-      unpack<D>(load_raw<D>(q + row * q_stride + static_cast<int64_t>(h0 + h) * hd + lane * D), qf[h]);
-#pragma unroll
-      for (int i = 0; i < D; ++i) qf[h][i] *= scale;
-    }
+    for (int i = 0; i < D; ++i) acc[h][i] = 0.0f;
   }
 
-  // This warp's tile: keys [base, base + 32) of the split.
+  // This warp's tile: keys [base, base + 32) of the split; lane j owns key base + j.
   const int32_t* pages = page_tables + r.page_offset;
   const int lo = max(vis.begin, split * kAttnSplitKeys), hi = min(vis.end, (split + 1) * kAttnSplitKeys);
   const int base = split * kAttnSplitKeys + warp * 32;
@@ -147,57 +130,54 @@ __global__ void __launch_bounds__(32 * kTileWarps)
     const int64_t slot = visible ? static_cast<int64_t>(pages[key / shp.page_size]) * shp.page_size +
                                        key % shp.page_size
                                  : 0;
-    auto present = [&](int j) { return j >= j_lo && j < j_hi && has_dims; };
-    Raw<D> kt[kKeepK ? 32 : 1];
-    if constexpr (kKeepK) {
+    // Scores: each lane reads its key's row once and scores it for every head of the group.
+    uint4 k_row[kChunks];
+    const bf16* kr = kc + slot * k_stride + head_off;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int64_t sj = __shfl_sync(kFull, slot, j);
-        kt[j] = present(j) ? load_raw<D>(kc + sj * k_stride + k_off) : Raw<D>{};
+    for (int c = 0; c < kChunks; ++c)
+      k_row[c] = visible && c * 8 < hd ? __ldg(reinterpret_cast<const uint4*>(kr + c * 8)) : make_uint4(0, 0, 0, 0);
+    for (int h = 0; h < nh; ++h) {
+      float sc = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if (c * 8 >= hd) break;
+        const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&k_row[c]);
+        const float4 qa = *reinterpret_cast<const float4*>(&q_s[h][c * 8]);
+        const float4 qb = *reinterpret_cast<const float4*>(&q_s[h][c * 8 + 4]);
+        const float2 k0 = __bfloat1622float2(h2[0]), k1 = __bfloat1622float2(h2[1]);
+        const float2 k2 = __bfloat1622float2(h2[2]), k3 = __bfloat1622float2(h2[3]);
+        sc += qa.x * k0.x + qa.y * k0.y + qa.z * k1.x + qa.w * k1.y + qb.x * k2.x + qb.y * k2.y + qb.z * k3.x +
+              qb.w * k3.y;
       }
+      p_s[warp][h][lane] = visible ? sc : -INFINITY;
     }
-    float p[kMaxGroup];
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; ++h) {
-      p[h] = 0.0f;
+    for (int h = 0; h < G; ++h) {
       if (h >= nh) continue;
-      float part[32];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        float kf[D];
-        if constexpr (kKeepK) {
-          unpack<D>(kt[j], kf);
-        } else {
-          const int64_t sj = __shfl_sync(kFull, slot, j);
-          unpack<D>(present(j) ? load_raw<D>(kc + sj * k_stride + k_off) : Raw<D>{}, kf);
-        }
-        part[j] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < D; ++i) part[j] += qf[h][i] * kf[i];
-      }
-      const float sum = transpose_sum(part, lane);  // every lane takes part in the shuffles
-      const float score = visible ? sum : -INFINITY;
+      const float score = p_s[warp][h][lane];
       m[h] = warp_max(score);  // finite: the tile has a visible key
-      p[h] = visible ? __expf(score - m[h]) : 0.0f;
-      l[h] = p[h];
+      const float p = visible ? __expf(score - m[h]) : 0.0f;
+      l[h] = p;
+      p_s[warp][h][lane] = p;
     }
-#pragma unroll
-    for (int c = 0; c < 32; c += kVBatch) {
-      if (c >= j_hi || c + kVBatch <= j_lo) continue;
+    __syncwarp();
+    // Values: V rows read coalesced (lane l owns dims [l*D, l*D + D)), kVBatch rows in flight.
+    const int64_t v_off = head_off + lane * D;
+    for (int c = j_lo / kVBatch * kVBatch; c < j_hi; c += kVBatch) {
       Raw<D> vt[kVBatch];
 #pragma unroll
       for (int u = 0; u < kVBatch; ++u) {
-        const int64_t sj = __shfl_sync(kFull, slot, c + u);
-        vt[u] = present(c + u) ? load_raw<D>(vc + sj * v_stride + k_off) : Raw<D>{};
+        const int j = c + u;
+        const int64_t sj = __shfl_sync(kFull, slot, j & 31);
+        vt[u] = j >= j_lo && j < j_hi && has_dims ? load_raw<D>(vc + sj * v_stride + v_off) : Raw<D>{};
       }
 #pragma unroll
       for (int u = 0; u < kVBatch; ++u) {
         float vf[D];
         unpack<D>(vt[u], vf);
 #pragma unroll
-        for (int h = 0; h < kMaxGroup; ++h) {
-          if (h >= nh) continue;
-          const float pj = __shfl_sync(kFull, p[h], c + u);
+        for (int h = 0; h < G; ++h) {
+          const float pj = p_s[warp][h][(c + u) & 31];  // 0 for keys outside [j_lo, j_hi)
 #pragma unroll
           for (int i = 0; i < D; ++i) acc[h][i] += pj * vf[i];
         }
@@ -205,13 +185,12 @@ __global__ void __launch_bounds__(32 * kTileWarps)
     }
   }
 #pragma unroll
-  for (int h = 0; h < kMaxGroup; ++h) l[h] = warp_sum(l[h]);
+  for (int h = 0; h < G; ++h) l[h] = warp_sum(l[h]);
 
   // The block's warps merge in warp order (a fixed order: batch-independent).
   if (warp > 0) {
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; ++h) {
-      if (h >= nh) continue;
+    for (int h = 0; h < G; ++h) {
       float* o = other[warp - 1][h];
       if (lane == 0) o[0] = m[h], o[1] = l[h];
 #pragma unroll
@@ -221,7 +200,7 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   __syncthreads();
   if (warp > 0) return;
 #pragma unroll
-  for (int h = 0; h < kMaxGroup; ++h) {
+  for (int h = 0; h < G; ++h) {
     if (h >= nh) continue;
     for (int w = 0; w < kTileWarps - 1; ++w) {
       const float* o = other[w][h];
@@ -295,17 +274,24 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
                       cudaStream_t s) {
   if (n_rows == 0) return;
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
-  const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kMaxGroup - 1) / kMaxGroup;
+  const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kGroupChunk(group) - 1) / kGroupChunk(group);
   const dim3 grid(static_cast<unsigned>(n_rows * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
   auto run = [&](auto kernel) {
     kernel<<<grid, 32 * kTileWarps, 0, s>>>(q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
                                             v_cache.stride, rows, page_tables, shp, workspace, splits, out.data,
                                             out.stride);
   };
-  if (shp.head_dim <= 32) run(attention_kernel<1>);
-  else if (shp.head_dim <= 64) run(attention_kernel<2>);
-  else if (shp.head_dim <= 128) run(attention_kernel<4>);
-  else run(attention_kernel<8>);
+  auto by_group = [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    if (group <= 1) run(attention_kernel<D, 1>);
+    else if (group <= 2) run(attention_kernel<D, 2>);
+    else if (group <= 4) run(attention_kernel<D, 4>);
+    else run(attention_kernel<D, 8>);  // larger groups go in chunks of 8 heads
+  };
+  if (shp.head_dim <= 32) by_group(std::integral_constant<int, 1>{});
+  else if (shp.head_dim <= 64) by_group(std::integral_constant<int, 2>{});
+  else if (shp.head_dim <= 128) by_group(std::integral_constant<int, 4>{});
+  else by_group(std::integral_constant<int, 8>{});
   if (splits > 1) {
     const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;
     combine_kernel<<<static_cast<unsigned>((items + 3) / 4), 128, 0, s>>>(rows, n_rows, shp, workspace, splits,

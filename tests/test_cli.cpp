@@ -204,6 +204,7 @@ TEST(Cli, BadInputGivesOneClearMessage) {
       {"generate" + model + " --prompt-ids 1 --draft " + fixture("drafts/llama_l2_window"), "num_target_layers"},
       {"generate" + model + " --prompt-ids 1 --draft " + empty.path(), "no config.json"},
       {"inspect " + empty.path(), "no config.json"},
+      {"serve --device cpu --port 0 --gpu-memory-fraction 0.5" + model, "--gpu-memory-fraction needs a GPU"},
   };
   for (const auto& [args, message] : cases) {
     const auto r = run_cli(args);

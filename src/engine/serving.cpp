@@ -40,7 +40,9 @@ struct ServingEngine::Impl {
     const int per_seq = (std::min(c.max_positions, 4096) + block + m.page_size - 1) / m.page_size + 1;
     n_pages = o.kv_pages > 0 ? o.kv_pages : o.max_num_seqs * per_seq;
     int64_t free_b = 0, total_b = 0;
-    if (o.gpu_memory_fraction > 0 && m.be->memory_info(free_b, total_b)) {
+    if (o.gpu_memory_fraction > 0) {
+      check(m.be->memory_info(free_b, total_b), "--gpu-memory-fraction needs a GPU; the ", m.be->name(),
+            " backend sizes its KV cache with --kv-pages or --max-num-seqs");
       n_pages = static_cast<int>(static_cast<double>(free_b) * o.gpu_memory_fraction / static_cast<double>(page_bytes()));
       check(n_pages > 0, "--gpu-memory-fraction ", o.gpu_memory_fraction, " of ", free_b >> 20,
             " MiB free leaves no room for one KV page");

@@ -12,6 +12,7 @@
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
 # Steps can be chosen with STEPS="tests logits bench profile serving" (default: all but profile).
+# DFLASH_PDL=0 turns programmatic dependent launch off (A/B timings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -20,12 +21,14 @@ if [ "$mode" = build ]; then
   cmake -S . -B build-dev -DCMAKE_BUILD_TYPE=Release -DDFLASH_NATIVE=OFF -DDFLASH_TESTS=ON \
     -DDFLASH_CUDA_ARCHITECTURES="${DFLASH_CUDA_ARCHITECTURES:-90a}" \
     -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc"
-  cmake --build build-dev -j "$(nproc)" --target dflash dflash_tests
+  cmake --build build-dev -j "$(nproc)" --target dflash dflash_tests dflash_kernel_trace
   strip build-dev/dflash build-dev/tests/dflash_tests  # the device call carries at most 64 MiB with the tree
   mkdir -p build-dev/lib
-  for lib in $(ldd build-dev/dflash build-dev/tests/dflash_tests | awk '/pcre2|utf8proc|gomp|httplib|ssl|crypto|brotli|libz\./ {print $3}' | sort -u); do
+  for lib in $(ldd build-dev/dflash build-dev/tests/dflash_tests build-dev/libdflash_kernel_trace.so |
+               awk '/pcre2|utf8proc|gomp|httplib|ssl|crypto|brotli|libz\.|cupti/ {print $3}' | sort -u); do
     cp -L "$lib" build-dev/lib/
   done
+  cp build-dev/libdflash_kernel_trace.so build-dev/lib/
   # One compressed file to carry to the GPU machine (the tree and the carried files share a 64 MiB limit).
   tar -cJf build-dev/carry.tar.xz build-dev/dflash build-dev/tests/dflash_tests build-dev/lib
   ls -la build-dev/dflash build-dev/tests/dflash_tests build-dev/lib build-dev/carry.tar.xz
@@ -77,20 +80,22 @@ if [[ $steps == *bench* ]]; then
     2>&1 | tee "$out/bench_step.txt" || status=1
 fi
 if [[ $steps == *profile* ]]; then
-  # Per-kernel GPU time of batch-1 steps at context 512 (plain and dflash graphs, every node
-  # traced), from Nsight Systems when the machine has it.
-  echo "== profile: bench-step batch 1, context 512 under nsys =="
-  nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1 || true)
-  if [ -z "$nsys" ]; then
-    echo "nsys not found: no profile" | tee "$out/profile.txt"
-  else
-    [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-    [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
-    "$nsys" profile --cuda-graph-trace=node --trace=cuda -o "$ckpt/profile" --force-overwrite true \
-      "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --batch 1 --context 512 \
-      --iters 20 --warmup 3 > "$out/profile_run.txt" 2>&1 || status=1
-    "$nsys" stats --report cuda_gpu_kern_sum --format csv "$ckpt/profile.nsys-rep" > "$out/profile_kernels.csv" 2>&1 || status=1
-  fi
+  # Per-kernel GPU time of the batch-1 step graphs at context 512 (plain, draft, verify), from
+  # CUPTI through tools/kernel_trace, with programmatic dependent launch on and off.
+  echo "== profile: bench-step batch 1, context 512, every graph node traced =="
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  for pdl in 1 0; do
+    DFLASH_PDL=$pdl CUDA_INJECTION64_PATH="$PWD/build-dev/lib/libdflash_kernel_trace.so" \
+      DFLASH_TRACE_OUT="$out/profile_pdl$pdl.txt" "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" \
+      --draft "$ckpt/dflash-8b" --batch 1 --context 512 --iters 20 --warmup 3 --skip-kernels \
+      --leak-check-steps 0 > "$out/profile_run_pdl$pdl.txt" 2>&1 || status=1
+  done
+  # The same rows untraced, PDL on and off (A/B timing).
+  for pdl in 1 0; do
+    DFLASH_PDL=$pdl "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
+      --batch 1,32 --context 512 --skip-kernels --leak-check-steps 0 2>&1 | tee "$out/bench_step_pdl$pdl.txt" || status=1
+  done
 fi
 
 if [[ $steps == *serving* ]]; then

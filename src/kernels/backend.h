@@ -97,6 +97,12 @@ class Backend {
                               const std::vector<int32_t>& positions, const std::vector<float>& inv_freq) = 0;
   // out = silu(gate_up[:, :n]) * gate_up[:, n:], n = out.cols
   virtual void swiglu(const Tensor& gate_up, Tensor& out) = 0;
+  // The MLP's first half: out = swiglu(x * w^T + bias), w = [gate; up]. `gate_up` is scratch of
+  // [x.rows, w.rows] that a backend may skip; a fused form must be bit-identical to the two steps.
+  virtual void matmul_swiglu(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& gate_up, Tensor& out) {
+    matmul(x, w, bias, gate_up);
+    swiglu(gate_up, out);
+  }
   // cache rows slots[r] <- k[r], v[r]
   virtual void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                         const std::vector<int32_t>& slots) = 0;

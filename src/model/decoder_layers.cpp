@@ -64,8 +64,7 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     be.attention(q, in.cache->k[l], in.cache->v[l], *in.segments, *in.positions, ap, attn);
     be.matmul(attn, w.o, opt(w.o_bias), delta);
     be.add_rms_norm(x, delta, w.mlp_norm, c.rms_norm_eps, h);
-    be.matmul(h, w.gate_up, opt(w.gate_up_bias), gate_up);
-    be.swiglu(gate_up, act);
+    be.matmul_swiglu(h, w.gate_up, opt(w.gate_up_bias), gate_up, act);
     be.matmul(act, w.down, opt(w.down_bias), delta);
     const Tensor& next_norm = l + 1 < layers.size() ? layers[l + 1].attn_norm : final_norm;
     be.add_rms_norm(x, delta, next_norm, c.rms_norm_eps, h);  // x is now layer l's output

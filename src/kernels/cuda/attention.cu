@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -72,7 +73,7 @@ __device__ __forceinline__ void unpack(const Raw<D>& raw, float (&f)[D]) {
 }
 
 constexpr int kTileWarps = kAttnSplitKeys / 32;  // one 32-key tile per warp; the block is one split
-constexpr int kVBatch = 8;                       // V rows loaded together
+constexpr int kVBatch = 16;                      // V rows loaded together
 
 // D: head dims per lane in the V phase (head_dim <= 32 * D); G: query heads per
 // warp (the group, or a chunk of it, is at most G). Loops stay loops where they
@@ -87,6 +88,8 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   __shared__ __align__(16) float q_s[G][32 * D];        // scaled queries
   __shared__ float p_s[kTileWarps][G][32];              // scores, then probabilities, per key
   __shared__ float other[kTileWarps - 1][G][2 + 32 * D];  // later warps' (m, l, acc) per head
+  pdl_wait();
+  pdl_release();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + G - 1) / G;
@@ -230,32 +233,59 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   }
 }
 
-// One warp per (row, head): combines the row's splits in split order.
+// One warp per (row, head) combines the row's splits: the normalizer over
+// lanes (lane-strided, then a butterfly), the values in split order, kCombineBatch
+// splits' loads in flight at a time. Fixed orders: batch-independent.
+constexpr int kCombineBatch = 8;
+constexpr int kMaxDimsPerLane = 8;  // head_dim <= 256
+
 __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, const float* workspace,
                                int max_splits, bf16* out, int64_t out_stride) {
+  pdl_wait();
+  pdl_release();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= static_cast<int64_t>(n_rows) * shp.n_heads) return;
-  const int lane = threadIdx.x % 32, hd = shp.head_dim;
+  const int lane = threadIdx.x % 32, hd = shp.head_dim, stride = hd + 2;
   const int row = static_cast<int>(item / shp.n_heads), head = static_cast<int>(item % shp.n_heads);
   const int n_splits = n_splits_of(visible_keys(rows[row], shp.sliding_window));
   if (n_splits <= 1) return;  // written directly by attention_kernel
-  const float* base = workspace + item * max_splits * (hd + 2);
+  const float* base = workspace + item * max_splits * stride;
   float m = -INFINITY;
-  for (int s = 0; s < n_splits; ++s) m = fmaxf(m, base[s * (hd + 2)]);
+  for (int s = lane; s < n_splits; s += 32) m = fmaxf(m, base[s * stride]);
+  m = warp_max(m);
   float l = 0.0f;
-  for (int s = 0; s < n_splits; ++s) {
-    const float ms = base[s * (hd + 2)];
-    if (ms != -INFINITY) l += base[s * (hd + 2) + 1] * __expf(ms - m);
+  for (int s = lane; s < n_splits; s += 32) {
+    const float ms = base[s * stride];
+    if (ms != -INFINITY) l += base[s * stride + 1] * __expf(ms - m);
+  }
+  l = warp_sum(l);
+  float a[kMaxDimsPerLane];
+#pragma unroll
+  for (int j = 0; j < kMaxDimsPerLane; ++j) a[j] = 0.0f;
+  for (int s0 = 0; s0 < n_splits; s0 += kCombineBatch) {
+    float c[kCombineBatch], v[kCombineBatch][kMaxDimsPerLane];
+#pragma unroll
+    for (int u = 0; u < kCombineBatch; ++u) {
+      const int s = s0 + u;
+      const float ms = s < n_splits ? base[s * stride] : -INFINITY;
+      c[u] = ms != -INFINITY ? __expf(ms - m) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kMaxDimsPerLane; ++j) {
+        const int d = lane + 32 * j;
+        v[u][j] = s < n_splits && d < hd ? base[s * stride + 2 + d] : 0.0f;  // every split writes its values
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineBatch; ++u)
+#pragma unroll
+      for (int j = 0; j < kMaxDimsPerLane; ++j) a[j] += v[u][j] * c[u];
   }
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   auto* o = reinterpret_cast<__nv_bfloat16*>(out + row * out_stride + static_cast<int64_t>(head) * hd);
-  for (int d = lane; d < hd; d += 32) {
-    float a = 0.0f;
-    for (int s = 0; s < n_splits; ++s) {
-      const float ms = base[s * (hd + 2)];
-      if (ms != -INFINITY) a += base[s * (hd + 2) + 2 + d] * __expf(ms - m);
-    }
-    o[d] = __float2bfloat16(a * inv);
+#pragma unroll
+  for (int j = 0; j < kMaxDimsPerLane; ++j) {
+    const int d = lane + 32 * j;
+    if (d < hd) o[d] = __float2bfloat16(a[j] * inv);
   }
 }
 
@@ -277,9 +307,8 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kGroupChunk(group) - 1) / kGroupChunk(group);
   const dim3 grid(static_cast<unsigned>(n_rows * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
   auto run = [&](auto kernel) {
-    kernel<<<grid, 32 * kTileWarps, 0, s>>>(q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
-                                            v_cache.stride, rows, page_tables, shp, workspace, splits, out.data,
-                                            out.stride);
+    launch(kernel, grid, 32 * kTileWarps, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
+           v_cache.stride, rows, page_tables, shp, workspace, splits, out.data, out.stride);
   };
   auto by_group = [&](auto d) {
     constexpr int D = decltype(d)::value;
@@ -294,8 +323,8 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
   else by_group(std::integral_constant<int, 8>{});
   if (splits > 1) {
     const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;
-    combine_kernel<<<static_cast<unsigned>((items + 3) / 4), 128, 0, s>>>(rows, n_rows, shp, workspace, splits,
-                                                                          out.data, out.stride);
+    launch(combine_kernel, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, workspace, splits,
+           out.data, out.stride);
   }
 }
 

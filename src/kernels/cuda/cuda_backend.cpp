@@ -3,6 +3,7 @@
 // pool. Small integer arrays (ids, positions, slots, page tables) go through a
 // pinned staging ring, so an upload never waits for the GPU unless the ring wraps.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -88,6 +89,8 @@ class CudaBackend final : public Backend {
   CudaBackend() {
     CUDA_CHECK(cudaSetDevice(0));
     CUDA_CHECK(cudaGetDeviceProperties(&props_, 0));
+    const char* pdl = std::getenv("DFLASH_PDL");  // "0" turns programmatic dependent launch off (A/B timing)
+    cuda::set_pdl_enabled(props_.major >= 9 && !(pdl && std::string(pdl) == "0"));
     owner_ = std::make_shared<StreamOwner>();
     s_ = owner_->stream;
     cudaMemPool_t pool;
@@ -306,6 +309,16 @@ class CudaBackend final : public Backend {
       cuda::launch_add_bias(mat(out), static_cast<const bf16*>(bias->data), s_);
       CUDA_CHECK_LAUNCH();
     }
+  }
+
+  void matmul_swiglu(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& gate_up, Tensor& out) override {
+    require_bf16(x, "matmul input");
+    require_bf16(w, "matmul weight");
+    check(x.cols == w.cols && w.rows == 2 * out.cols && out.rows == x.rows, "cuda backend: matmul_swiglu shape mismatch");
+    if (!cuda::skinny_gemm_supported(mat(x), mat(w), mat(out))) return Backend::matmul_swiglu(x, w, bias, gate_up, out);
+    cuda::launch_skinny_gemm_swiglu(mat(x), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
+                                    s_);
+    CUDA_CHECK_LAUNCH();
   }
 
   void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) override {

@@ -4,8 +4,10 @@
 #include <cuda_bf16.h>
 
 #include <cfloat>
+#include <initializer_list>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -39,6 +41,8 @@ constexpr int kRowThreads = 256;
 
 __global__ void embed_kernel(const bf16* table, int64_t table_stride, const int32_t* ids, int64_t cols, bf16* out,
                              int64_t out_stride) {
+  pdl_wait();
+  pdl_release();
   const int64_t r = blockIdx.x;
   const bf16* src = table + ids[r] * table_stride;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) out[r * out_stride + i] = src[i];
@@ -46,6 +50,8 @@ __global__ void embed_kernel(const bf16* table, int64_t table_stride, const int3
 
 __global__ void gather_kernel(const bf16* src, int64_t src_stride, const int32_t* rows, int64_t cols, bf16* out,
                               int64_t out_stride) {
+  pdl_wait();
+  pdl_release();
   const int64_t r = blockIdx.x;
   const bf16* s = src + rows[r] * src_stride;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) out[r * out_stride + i] = s[i];
@@ -53,6 +59,8 @@ __global__ void gather_kernel(const bf16* src, int64_t src_stride, const int32_t
 
 __global__ void rms_norm_kernel(const bf16* x, int64_t x_stride, const bf16* w, float eps, int64_t cols, bf16* out,
                                 int64_t out_stride) {
+  pdl_wait();
+  pdl_release();
   const bf16* xr = x + blockIdx.x * x_stride;
   bf16* o = out + blockIdx.x * out_stride;
   float ss = 0.0f;
@@ -66,6 +74,8 @@ __global__ void rms_norm_kernel(const bf16* x, int64_t x_stride, const bf16* w, 
 
 __global__ void add_rms_norm_kernel(bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
                                     const bf16* w, float eps, int64_t cols, bf16* out, int64_t out_stride) {
+  pdl_wait();
+  pdl_release();
   bf16* r = res + blockIdx.x * res_stride;
   const bf16* d = delta + blockIdx.x * delta_stride;
   bf16* o = out + blockIdx.x * out_stride;
@@ -78,6 +88,89 @@ __global__ void add_rms_norm_kernel(bf16* res, int64_t res_stride, const bf16* d
   const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
   // Each thread re-reads only the elements it wrote above.
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * round_bf(ld(r + i) * scale));
+}
+
+// The same two norms for rows that fit in registers (cols % 8 == 0, cols <= kRowThreads * 8 *
+// kVecPerThread, 16-byte aligned rows): each thread loads its 8-value pieces of the row before
+// anything is stored, so a row costs one round trip to memory instead of one per element.
+constexpr int kVecPerThread = 4;
+constexpr int64_t kVecMaxCols = int64_t{kRowThreads} * 8 * kVecPerThread;
+
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
+  const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __bfloat1622float2(h2[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 raw;
+  auto* h2 = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h2[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return raw;
+}
+
+// kAdd: residual += delta, then the norm of the new residual (add_rms_norm_kernel); else rms_norm_kernel.
+template <bool kAdd>
+__global__ void __launch_bounds__(kRowThreads)
+    rms_norm_vec_kernel(bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride, const bf16* w,
+                        float eps, int cols, bf16* out, int64_t out_stride) {
+  pdl_wait();
+  pdl_release();
+  bf16* r = res + blockIdx.x * res_stride;
+  const bf16* d = kAdd ? delta + blockIdx.x * delta_stride : nullptr;
+  bf16* o = out + blockIdx.x * out_stride;
+  const int n_vec = cols / 8;
+  uint4 xv[kVecPerThread], dv[kVecPerThread], wv[kVecPerThread];
+#pragma unroll
+  for (int k = 0; k < kVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i >= n_vec) continue;
+    xv[k] = *reinterpret_cast<const uint4*>(r + 8 * i);
+    if constexpr (kAdd) dv[k] = *reinterpret_cast<const uint4*>(d + 8 * i);
+    wv[k] = __ldg(reinterpret_cast<const uint4*>(w + 8 * i));
+  }
+  float v[kVecPerThread][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kVecPerThread; ++k) {
+    if (threadIdx.x + k * kRowThreads >= n_vec) continue;
+    unpack8(xv[k], v[k]);
+    if constexpr (kAdd) {
+      float dd[8];
+      unpack8(dv[k], dd);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[k][e] = round_bf(v[k][e] + dd[e]);
+      *reinterpret_cast<uint4*>(r + 8 * (threadIdx.x + k * kRowThreads)) = pack8(v[k]);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
+  }
+  const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
+#pragma unroll
+  for (int k = 0; k < kVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i >= n_vec) continue;
+    float wf[8], y[8];
+    unpack8(wv[k], wf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = wf[e] * round_bf(v[k][e] * scale);
+    *reinterpret_cast<uint4*>(o + 8 * i) = pack8(y);
+  }
+}
+
+// Rows of `cols` values fit rms_norm_vec_kernel: every row start of every operand 16-byte aligned.
+bool rows_fit_registers(int64_t cols, std::initializer_list<int64_t> strides, std::initializer_list<const void*> ptrs) {
+  if (cols % 8 != 0 || cols > kVecMaxCols) return false;
+  for (int64_t st : strides)
+    if (st % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
 }
 
 // One warp per (row, head); lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ...
@@ -130,6 +223,8 @@ __device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16*
 // One warp per (row, head).
 __global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int head_dim, const bf16* norm_w,
                                       float eps, const int32_t* positions, const float* inv_freq, int64_t n_items) {
+  pdl_wait();
+  pdl_release();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= n_items) return;
   const int64_t row = item / n_heads;
@@ -144,6 +239,8 @@ __global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads,
                                          const bf16* q_norm, const bf16* k_norm, float eps, const int32_t* positions,
                                          const float* inv_freq, bf16* kc, int64_t kc_stride, bf16* vc,
                                          int64_t vc_stride, const int32_t* slots, int64_t n_items) {
+  pdl_wait();
+  pdl_release();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= n_items) return;
   const int lane = threadIdx.x % 32, per_row = n_heads + n_kv_heads;
@@ -166,6 +263,8 @@ __global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads,
 }
 
 __global__ void swiglu_kernel(const bf16* gu, int64_t gu_stride, int64_t n, bf16* out, int64_t out_stride) {
+  pdl_wait();
+  pdl_release();
   const int64_t r = blockIdx.y;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -176,6 +275,8 @@ __global__ void swiglu_kernel(const bf16* gu, int64_t gu_stride, int64_t n, bf16
 
 __global__ void kv_write_kernel(const bf16* k, int64_t k_stride, const bf16* v, int64_t v_stride, int64_t cols,
                                 bf16* kc, int64_t kc_stride, bf16* vc, int64_t vc_stride, const int32_t* slots) {
+  pdl_wait();
+  pdl_release();
   const int64_t r = blockIdx.x, slot = slots[r];
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
     kc[slot * kc_stride + i] = k[r * k_stride + i];
@@ -184,6 +285,8 @@ __global__ void kv_write_kernel(const bf16* k, int64_t k_stride, const bf16* v, 
 }
 
 __global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, int32_t* out) {
+  pdl_wait();
+  pdl_release();
   const bf16* row = x + blockIdx.x * stride;
   float best = -FLT_MAX;
   int64_t best_i = cols;  // NaN-only rows fall back to index 0 below
@@ -209,6 +312,8 @@ __global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, int32
 }
 
 __global__ void add_bias_kernel(bf16* out, int64_t stride, int64_t cols, const bf16* bias) {
+  pdl_wait();
+  pdl_release();
   const int64_t r = blockIdx.y;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < cols;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -216,12 +321,16 @@ __global__ void add_bias_kernel(bf16* out, int64_t stride, int64_t cols, const b
 }
 
 __global__ void f32_to_bf16_kernel(const float* src, bf16* dst, int64_t n) {
+  pdl_wait();
+  pdl_release();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     st(dst + i, src[i]);
 }
 
 __global__ void fill_random_kernel(bf16* dst, int64_t n, uint64_t seed, float scale) {
+  pdl_wait();
+  pdl_release();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     uint64_t z = seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i + 1);  // splitmix64
@@ -240,24 +349,37 @@ unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
 
 }  // namespace
 
+void set_pdl_enabled(bool on) { g_pdl_enabled = on; }
+
 void launch_embed(const Mat& table, const int32_t* ids, Mat out, cudaStream_t s) {
   if (out.rows == 0) return;
-  embed_kernel<<<out.rows, kRowThreads, 0, s>>>(table.data, table.stride, ids, table.cols, out.data, out.stride);
+  launch(embed_kernel, out.rows, kRowThreads, s, table.data, table.stride, ids, table.cols, out.data, out.stride);
 }
 
 void launch_gather_rows(const Mat& src, const int32_t* rows, Mat out, cudaStream_t s) {
   if (out.rows == 0) return;
-  gather_kernel<<<out.rows, kRowThreads, 0, s>>>(src.data, src.stride, rows, src.cols, out.data, out.stride);
+  launch(gather_kernel, out.rows, kRowThreads, s, src.data, src.stride, rows, src.cols, out.data, out.stride);
 }
 
 void launch_rms_norm(const Mat& x, const bf16* w, float eps, Mat out, cudaStream_t s) {
   if (x.rows == 0) return;
-  rms_norm_kernel<<<x.rows, kRowThreads, 0, s>>>(x.data, x.stride, w, eps, x.cols, out.data, out.stride);
+  if (rows_fit_registers(x.cols, {x.stride, out.stride}, {x.data, w, out.data})) {
+    launch(rms_norm_vec_kernel<false>, x.rows, kRowThreads, s, x.data, x.stride, static_cast<const bf16*>(nullptr),
+           int64_t{0}, w, eps, static_cast<int>(x.cols), out.data, out.stride);
+    return;
+  }
+  launch(rms_norm_kernel, x.rows, kRowThreads, s, x.data, x.stride, w, eps, x.cols, out.data, out.stride);
 }
 
 void launch_add_rms_norm(Mat residual, const Mat& delta, const bf16* w, float eps, Mat out, cudaStream_t s) {
   if (residual.rows == 0) return;
-  add_rms_norm_kernel<<<residual.rows, kRowThreads, 0, s>>>(residual.data, residual.stride, delta.data, delta.stride, w,
+  if (rows_fit_registers(residual.cols, {residual.stride, delta.stride, out.stride},
+                         {residual.data, delta.data, w, out.data})) {
+    launch(rms_norm_vec_kernel<true>, residual.rows, kRowThreads, s, residual.data, residual.stride, delta.data,
+           delta.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride);
+    return;
+  }
+  launch(add_rms_norm_kernel, residual.rows, kRowThreads, s, residual.data, residual.stride, delta.data, delta.stride, w,
                                                             eps, residual.cols, out.data, out.stride);
 }
 
@@ -266,7 +388,7 @@ void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w,
   const int64_t n_items = x.rows * n_heads;
   if (n_items == 0) return;
   constexpr int kWarps = 4;
-  head_norm_rope_kernel<<<static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, 0, s>>>(
+  launch(head_norm_rope_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s, 
       x.data, x.stride, n_heads, head_dim, norm_w, eps, positions, inv_freq, n_items);
 }
 
@@ -276,7 +398,7 @@ void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim
   const int64_t n_items = qkv.rows * (n_heads + n_kv_heads);
   if (n_items == 0) return;
   constexpr int kWarps = 4;
-  qkv_rope_kv_write_kernel<<<static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, 0, s>>>(
+  launch(qkv_rope_kv_write_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s, 
       qkv.data, qkv.stride, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, positions, inv_freq, k_cache.data,
       k_cache.stride, v_cache.data, v_cache.stride, slots, n_items);
 }
@@ -287,38 +409,38 @@ constexpr int64_t kMaxGridRows = 65535;
 void launch_swiglu(const Mat& gate_up, Mat out, cudaStream_t s) {
   for (int64_t r0 = 0; r0 < out.rows; r0 += kMaxGridRows) {
     const int64_t n = out.rows - r0 < kMaxGridRows ? out.rows - r0 : kMaxGridRows;
-    swiglu_kernel<<<dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, 0, s>>>(
+    launch(swiglu_kernel, dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, s, 
         gate_up.data + r0 * gate_up.stride, gate_up.stride, out.cols, out.data + r0 * out.stride, out.stride);
   }
 }
 
 void launch_kv_write(const Mat& k, const Mat& v, Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s) {
   if (k.rows == 0) return;
-  kv_write_kernel<<<k.rows, 128, 0, s>>>(k.data, k.stride, v.data, v.stride, k.cols, k_cache.data, k_cache.stride,
+  launch(kv_write_kernel, k.rows, 128, s, k.data, k.stride, v.data, v.stride, k.cols, k_cache.data, k_cache.stride,
                                          v_cache.data, v_cache.stride, slots);
 }
 
 void launch_argmax(const Mat& x, int32_t* out, cudaStream_t s) {
   if (x.rows == 0) return;
-  argmax_kernel<<<x.rows, 1024, 0, s>>>(x.data, x.stride, x.cols, out);
+  launch(argmax_kernel, x.rows, 1024, s, x.data, x.stride, x.cols, out);
 }
 
 void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s) {
   for (int64_t r0 = 0; r0 < out.rows; r0 += kMaxGridRows) {
     const int64_t n = out.rows - r0 < kMaxGridRows ? out.rows - r0 : kMaxGridRows;
-    add_bias_kernel<<<dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, 0, s>>>(
+    launch(add_bias_kernel, dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, s, 
         out.data + r0 * out.stride, out.stride, out.cols, bias);
   }
 }
 
 void launch_f32_to_bf16(const float* src, bf16* dst, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  f32_to_bf16_kernel<<<grid_for(n, 256), 256, 0, s>>>(src, dst, n);
+  launch(f32_to_bf16_kernel, grid_for(n, 256), 256, s, src, dst, n);
 }
 
 void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float scale, cudaStream_t s) {
   if (n == 0) return;
-  fill_random_kernel<<<grid_for(n, 256), 256, 0, s>>>(dst, n, seed, scale);
+  launch(fill_random_kernel, grid_for(n, 256), 256, s, dst, n, seed, scale);
 }
 
 }  // namespace dflash::cuda

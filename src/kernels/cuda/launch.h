@@ -18,6 +18,9 @@ struct Mat {          // a bf16 matrix view
   int64_t rows, cols, stride;
 };
 
+// Programmatic dependent launch for every kernel below (Hopper and later; see pdl.cuh).
+void set_pdl_enabled(bool on);
+
 // out[r] = table[ids[r]]
 void launch_embed(const Mat& table, const int32_t* ids, Mat out, cudaStream_t s);
 // out = rmsnorm(x) * w  (x may alias out)
@@ -55,6 +58,9 @@ void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float scale, cudaSt
 constexpr int kSkinnyMaxRows = 32;
 bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out);
 void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s);
+// out = silu(g) * u with [g | u] = x * w^T (+ bias), w = [gate; up] of 2 * out.cols rows: bit-identical
+// to launch_skinny_gemm followed by launch_swiglu, without the intermediate.
+void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s);
 
 // One query row's view of the paged cache.
 struct AttnRow {

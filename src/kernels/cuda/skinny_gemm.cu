@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -37,15 +38,23 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void prefetch_l2(const bf16* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
 // MT: 8-token tiles (M <= 8 * MT); RT: 16-row weight tiles per block; U: chunks in flight per warp.
-template <int MT, int RT, int U>
+// kSwiglu (RT == 2): w = [gate; up] with N rows each; tile 0 takes gate rows, tile 1 the same
+// up rows, and the block writes silu(gate) * up for its 16 features, rounded as the separate
+// product and SwiGLU kernels round.
+template <int MT, int RT, int U, bool kSwiglu>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
                                                                   bf16* __restrict__ out, int64_t out_stride) {
+  static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * RT * 16;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * (kSwiglu ? 16 : RT * 16);
 
   const bf16* wrow[RT][2];
   bool wok[RT][2];
@@ -53,10 +62,25 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t r = n0 + rt * 16 + h * 8 + g;
-      wok[rt][h] = r < N;
+      const int64_t f = n0 + (kSwiglu ? 0 : rt * 16) + h * 8 + g;  // output feature
+      wok[rt][h] = f < N;
+      const int64_t r = kSwiglu && rt == 1 ? N + f : f;
       wrow[rt][h] = w + (wok[rt][h] ? r : 0) * w_stride + q * 8;
     }
+  const int n_chunks = (K + kChunk - 1) / kChunk;
+  // The weights need nothing from the previous kernel: their first chunks head for L2 before the wait.
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = warp + u * kWarps;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (c < n_chunks && c * kChunk + q * 8 < K && wok[rt][h]) prefetch_l2(wrow[rt][h] + c * kChunk);
+  }
+  pdl_wait();
+  pdl_release();
+
   const bf16* xrow[MT];
   bool xok[MT];
 #pragma unroll
@@ -74,7 +98,6 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.0f;
 
-  const int n_chunks = (K + kChunk - 1) / kChunk;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int c0 = warp; c0 < n_chunks; c0 += kWarps * U) {
     uint4 wv[U][RT][2], xv[U][MT];
@@ -117,7 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][rt][mt][i][lane] = acc[rt][mt][i];
   __syncthreads();
-  constexpr int kElems = RT * MT * 4 * 32;
+  constexpr int kElems = (kSwiglu ? 1 : RT) * MT * 4 * 32;
   for (int e = threadIdx.x; e < kElems; e += kWarps * 32) {
     const int l = e % 32, i = (e / 32) % 4, mt = (e / 128) % MT, rt = e / (128 * MT);
     const int64_t feature = n0 + rt * 16 + l / 4 + (i >= 2 ? 8 : 0);
@@ -127,26 +150,35 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
 #pragma unroll
     for (int j = 0; j < kWarps; ++j) sum += red[j][rt][mt][i][l];
     if (bias) sum += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[feature]);
+    if constexpr (kSwiglu) {
+      float up = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kWarps; ++j) up += red[j][1][mt][i][l];
+      if (bias) up += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[N + feature]);
+      const float gate = round_bf(sum);
+      sum = round_bf(gate / (1.0f + expf(-gate))) * round_bf(up);
+    }
     reinterpret_cast<__nv_bfloat16*>(out)[token * out_stride + feature] = __float2bfloat16(sum);
   }
 }
 
-template <int MT, int RT>
+template <int MT, int RT, bool kSwiglu>
 void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
-  constexpr int U = MT <= 2 ? 4 : 2;
-  const unsigned blocks = static_cast<unsigned>((w.rows + RT * 16 - 1) / (RT * 16));
-  skinny_gemm_kernel<MT, RT, U><<<blocks, kWarps * 32, 0, s>>>(x.data, x.stride, static_cast<int>(x.rows), w.data,
-                                                               w.stride, static_cast<int>(w.rows),
-                                                               static_cast<int>(w.cols), bias, out.data, out.stride);
+  // Chunks in flight per warp: as many as the registers allow without spilling.
+  constexpr int U = MT == 1 && RT == 1 ? 8 : MT <= 2 ? 4 : 2;
+  const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
+  const unsigned blocks = static_cast<unsigned>((n + (kSwiglu ? 16 : RT * 16) - 1) / (kSwiglu ? 16 : RT * 16));
+  launch(skinny_gemm_kernel<MT, RT, U, kSwiglu>, blocks, kWarps * 32, s, x.data, x.stride, static_cast<int>(x.rows),
+         w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias, out.data, out.stride);
 }
 
-template <int RT>
+template <int RT, bool kSwiglu = false>
 void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
   switch ((x.rows + 7) / 8) {
-    case 1: return launch_tiles<1, RT>(x, w, bias, out, s);
-    case 2: return launch_tiles<2, RT>(x, w, bias, out, s);
-    case 3: return launch_tiles<3, RT>(x, w, bias, out, s);
-    default: return launch_tiles<4, RT>(x, w, bias, out, s);
+    case 1: return launch_tiles<1, RT, kSwiglu>(x, w, bias, out, s);
+    case 2: return launch_tiles<2, RT, kSwiglu>(x, w, bias, out, s);
+    case 3: return launch_tiles<3, RT, kSwiglu>(x, w, bias, out, s);
+    default: return launch_tiles<4, RT, kSwiglu>(x, w, bias, out, s);
   }
 }
 
@@ -163,6 +195,10 @@ void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, i
   // Two row tiles per block only when that still leaves two blocks per SM.
   if (w.rows >= int64_t{32} * 2 * n_sms) launch_rt<2>(x, w, bias, out, s);
   else launch_rt<1>(x, w, bias, out, s);
+}
+
+void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
+  launch_rt<2, true>(x, w, bias, out, s);
 }
 
 }  // namespace dflash::cuda

@@ -1,0 +1,50 @@
+// Programmatic dependent launch (Hopper and later): a kernel may start while
+// the kernel before it in the stream is still finishing, so the launch latency
+// and the previous kernel's tail overlap. Every kernel launched through
+// `launch` calls pdl_wait() before it touches memory that an earlier kernel
+// writes (or reads: the wait also orders writes after earlier reads), and then
+// pdl_release() so that the next kernel may be scheduled. Work that needs no
+// earlier result, such as prefetching weights, may come before pdl_wait().
+//
+// Every kernel waits unconditionally, before any early return: a kernel then
+// completes only after its predecessor has, so ordering stays transitive.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace dflash::cuda {
+
+// Set once by the backend: the device supports it and DFLASH_PDL is not "0".
+inline bool g_pdl_enabled = false;
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, 0, s>>>(args...), allowed to overlap its predecessor when PDL is on.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = g_pdl_enabled ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
+}
+
+}  // namespace dflash::cuda

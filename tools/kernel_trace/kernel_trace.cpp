@@ -1,0 +1,148 @@
+// A per-kernel GPU profile for machines without Nsight Systems: a CUDA
+// injection library (the driver loads it when CUDA_INJECTION64_PATH names it)
+// that records every kernel through CUPTI's activity API, graph nodes
+// included, and at exit writes a summary to $DFLASH_TRACE_OUT (default
+// stderr).
+//
+// Kernels launched by one cudaGraphLaunch share a correlation id, so each
+// graph replay is one group: its span (first start to last end), its busy
+// time (sum of kernel durations; a graph here runs on one stream) and the gap
+// between them (launch latency and idle SMs between dependent kernels). The
+// summary gives, per graph, the median replay and each kernel's share of it.
+//
+//   CUDA_INJECTION64_PATH=libdflash_kernel_trace.so DFLASH_TRACE_OUT=trace.txt dflash bench-step ...
+#include <cupti.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cxxabi.h>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct KernelRecord {
+  std::string name;
+  uint64_t start, end;
+  uint32_t correlation, graph;
+};
+
+std::mutex g_mu;
+std::vector<KernelRecord> g_records;
+size_t g_dropped = 0;
+
+// "void ns::(anonymous namespace)::kernel<4, 2>(args...)" -> "ns::kernel<4, 2>", at most 100 characters.
+std::string short_name(const char* mangled) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string s = status == 0 && d ? d : mangled;
+  std::free(d);
+  for (const std::string anon = "(anonymous namespace)::"; s.find(anon) != std::string::npos;)
+    s.erase(s.find(anon), anon.size());
+  int depth = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '<') ++depth;
+    if (s[i] == '>') --depth;
+    if (s[i] == '(' && depth == 0) {
+      s.resize(i);
+      break;
+    }
+  }
+  if (s.rfind("void ", 0) == 0) s.erase(0, 5);
+  if (s.size() > 100) s.resize(100);
+  return s;
+}
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *size = size_t{16} << 20;
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, *size));
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  CUpti_Activity* rec = nullptr;
+  std::lock_guard<std::mutex> lock(g_mu);
+  while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
+    if (rec->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
+    const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+    g_records.push_back({short_name(k->name), k->start, k->end, k->correlationId, k->graphId});
+  }
+  size_t dropped = 0;
+  cuptiActivityGetNumDroppedRecords(nullptr, 0, &dropped);
+  g_dropped += dropped;
+  std::free(buffer);
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void write_summary() {
+  cuptiActivityFlushAll(1);
+  const char* path = std::getenv("DFLASH_TRACE_OUT");
+  FILE* f = path ? std::fopen(path, "w") : stderr;
+  if (!f) f = stderr;
+  std::lock_guard<std::mutex> lock(g_mu);
+  // Graph id -> replays (correlation id -> record indices).
+  std::map<uint32_t, std::map<uint32_t, std::vector<size_t>>> graphs;
+  for (size_t i = 0; i < g_records.size(); ++i) graphs[g_records[i].graph][g_records[i].correlation].push_back(i);
+  std::fprintf(f, "kernel records: %zu (dropped %zu)\n", g_records.size(), g_dropped);
+  for (const auto& [graph, replays] : graphs) {
+    if (graph == 0) {
+      std::fprintf(f, "\n== kernels outside graphs: %zu launches ==\n", replays.size());
+    } else {
+      std::vector<double> span, busy;
+      size_t kernels = 0;
+      for (const auto& [corr, idx] : replays) {
+        uint64_t lo = UINT64_MAX, hi = 0;
+        double sum = 0;
+        for (size_t i : idx) {
+          lo = std::min(lo, g_records[i].start);
+          hi = std::max(hi, g_records[i].end);
+          sum += static_cast<double>(g_records[i].end - g_records[i].start);
+        }
+        span.push_back(static_cast<double>(hi - lo) / 1e3);
+        busy.push_back(sum / 1e3);
+        kernels = std::max(kernels, idx.size());
+      }
+      const double s = median(span), b = median(busy);
+      std::fprintf(f, "\n== graph %u: %zu replays, %zu kernels each; median span %.1f us, kernels busy %.1f us, "
+                      "gaps %.1f us (%.2f us per kernel boundary) ==\n",
+                   graph, replays.size(), kernels, s, b, s - b, kernels > 1 ? (s - b) / (kernels - 1) : 0.0);
+    }
+    // Per kernel name: launches per replay, mean and total time per replay.
+    std::map<std::string, std::pair<size_t, double>> by_name;
+    for (const auto& [corr, idx] : replays)
+      for (size_t i : idx) {
+        auto& e = by_name[g_records[i].name];
+        e.first += 1;
+        e.second += static_cast<double>(g_records[i].end - g_records[i].start) / 1e3;
+      }
+    std::vector<std::pair<std::string, std::pair<size_t, double>>> rows(by_name.begin(), by_name.end());
+    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+    const double n = graph == 0 ? 1.0 : static_cast<double>(replays.size());  // outside graphs: totals
+    std::fprintf(f, "%12s %10s %12s  %s\n", "per_replay", "mean_us", "us_per_replay", "kernel");
+    for (const auto& [name, e] : rows)
+      std::fprintf(f, "%12.1f %10.2f %12.1f  %s\n", static_cast<double>(e.first) / n, e.second / e.first,
+                   e.second / n, name.c_str());
+  }
+  if (f != stderr) std::fclose(f);
+}
+
+}  // namespace
+
+extern "C" int InitializeInjection() {
+  if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
+      cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) {
+    std::fprintf(stderr, "kernel_trace: CUPTI activity tracing could not be enabled\n");
+    return 0;
+  }
+  std::atexit(write_summary);
+  return 1;
+}

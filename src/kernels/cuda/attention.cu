@@ -133,27 +133,39 @@ __global__ void __launch_bounds__(32 * kTileWarps)
     const int64_t slot = visible ? static_cast<int64_t>(pages[key / shp.page_size]) * shp.page_size +
                                        key % shp.page_size
                                  : 0;
-    // Scores: each lane reads its key's row once and scores it for every head of the group.
-    uint4 k_row[kChunks];
+    // Scores: each lane reads its key's row once, in two halves (registers), and scores it for
+    // every head of the group.
+    constexpr int kPart = kChunks > 4 ? kChunks / 2 : kChunks;
     const bf16* kr = kc + slot * k_stride + head_off;
+    float sc[G];
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-      k_row[c] = visible && c * 8 < hd ? __ldg(reinterpret_cast<const uint4*>(kr + c * 8)) : make_uint4(0, 0, 0, 0);
-    for (int h = 0; h < nh; ++h) {
-      float sc = 0.0f;
+    for (int h = 0; h < G; ++h) sc[h] = 0.0f;
+#pragma unroll 1
+    for (int c0 = 0; c0 < kChunks; c0 += kPart) {
+      uint4 k_row[kPart];
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        if (c * 8 >= hd) break;
-        const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&k_row[c]);
-        const float4 qa = *reinterpret_cast<const float4*>(&q_s[h][c * 8]);
-        const float4 qb = *reinterpret_cast<const float4*>(&q_s[h][c * 8 + 4]);
-        const float2 k0 = __bfloat1622float2(h2[0]), k1 = __bfloat1622float2(h2[1]);
-        const float2 k2 = __bfloat1622float2(h2[2]), k3 = __bfloat1622float2(h2[3]);
-        sc += qa.x * k0.x + qa.y * k0.y + qa.z * k1.x + qa.w * k1.y + qb.x * k2.x + qb.y * k2.y + qb.z * k3.x +
-              qb.w * k3.y;
+      for (int c = 0; c < kPart; ++c)
+        k_row[c] = visible && (c0 + c) * 8 < hd ? __ldg(reinterpret_cast<const uint4*>(kr + (c0 + c) * 8))
+                                                : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        if (h >= nh) continue;
+#pragma unroll
+        for (int c = 0; c < kPart; ++c) {
+          if ((c0 + c) * 8 >= hd) break;
+          const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&k_row[c]);
+          const float4 qa = *reinterpret_cast<const float4*>(&q_s[h][(c0 + c) * 8]);
+          const float4 qb = *reinterpret_cast<const float4*>(&q_s[h][(c0 + c) * 8 + 4]);
+          const float2 k0 = __bfloat1622float2(h2[0]), k1 = __bfloat1622float2(h2[1]);
+          const float2 k2 = __bfloat1622float2(h2[2]), k3 = __bfloat1622float2(h2[3]);
+          sc[h] += qa.x * k0.x + qa.y * k0.y + qa.z * k1.x + qa.w * k1.y + qb.x * k2.x + qb.y * k2.y +
+                   qb.z * k3.x + qb.w * k3.y;
+        }
       }
-      p_s[warp][h][lane] = visible ? sc : -INFINITY;
     }
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+      if (h < nh) p_s[warp][h][lane] = visible ? sc[h] : -INFINITY;
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       if (h >= nh) continue;

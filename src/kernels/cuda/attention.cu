@@ -15,6 +15,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -36,15 +37,6 @@ __device__ __forceinline__ Visible visible_keys(const AttnRow& r, int window) {
 }
 
 __device__ __forceinline__ int n_splits_of(const Visible& v) { return (v.end + kAttnSplitKeys - 1) / kAttnSplitKeys; }
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
 
 // D bf16 values of a row, loaded as one raw word (2 to 16 bytes).
 template <int D>
@@ -88,8 +80,7 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   __shared__ __align__(16) float q_s[G][32 * D];        // scaled queries
   __shared__ float p_s[kTileWarps][G][32];              // scores, then probabilities, per key
   __shared__ float other[kTileWarps - 1][G][2 + 32 * D];  // later warps' (m, l, acc) per head
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + G - 1) / G;
@@ -253,8 +244,7 @@ constexpr int kMaxDimsPerLane = 8;  // head_dim <= 256
 
 __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, const float* workspace,
                                int max_splits, bf16* out, int64_t out_stride) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= static_cast<int64_t>(n_rows) * shp.n_heads) return;
   const int lane = threadIdx.x % 32, hd = shp.head_dim, stride = hd + 2;

@@ -314,7 +314,8 @@ class CudaBackend final : public Backend {
   void matmul_swiglu(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& gate_up, Tensor& out) override {
     require_bf16(x, "matmul input");
     require_bf16(w, "matmul weight");
-    check(x.cols == w.cols && w.rows == 2 * out.cols && out.rows == x.rows, "cuda backend: matmul_swiglu shape mismatch");
+    check(x.cols == w.cols && w.rows == 2 * out.cols && out.rows == x.rows,
+          "cuda backend: matmul_swiglu shape mismatch");
     if (!cuda::skinny_gemm_supported(mat(x), mat(w), mat(out))) return Backend::matmul_swiglu(x, w, bias, gate_up, out);
     cuda::launch_skinny_gemm_swiglu(mat(x), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
                                     s_);

@@ -6,6 +6,7 @@
 #include <cfloat>
 #include <initializer_list>
 
+#include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -16,12 +17,6 @@ using bf = __nv_bfloat16;
 
 __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*reinterpret_cast<const bf*>(p)); }
 __device__ __forceinline__ void st(bf16* p, float v) { *reinterpret_cast<bf*>(p) = __float2bfloat16(v); }
-__device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024).
 __device__ float block_sum(float v) {
@@ -41,8 +36,7 @@ constexpr int kRowThreads = 256;
 
 __global__ void embed_kernel(const bf16* table, int64_t table_stride, const int32_t* ids, int64_t cols, bf16* out,
                              int64_t out_stride) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const int64_t r = blockIdx.x;
   const bf16* src = table + ids[r] * table_stride;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) out[r * out_stride + i] = src[i];
@@ -50,8 +44,7 @@ __global__ void embed_kernel(const bf16* table, int64_t table_stride, const int3
 
 __global__ void gather_kernel(const bf16* src, int64_t src_stride, const int32_t* rows, int64_t cols, bf16* out,
                               int64_t out_stride) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const int64_t r = blockIdx.x;
   const bf16* s = src + rows[r] * src_stride;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) out[r * out_stride + i] = s[i];
@@ -59,8 +52,7 @@ __global__ void gather_kernel(const bf16* src, int64_t src_stride, const int32_t
 
 __global__ void rms_norm_kernel(const bf16* x, int64_t x_stride, const bf16* w, float eps, int64_t cols, bf16* out,
                                 int64_t out_stride) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const bf16* xr = x + blockIdx.x * x_stride;
   bf16* o = out + blockIdx.x * out_stride;
   float ss = 0.0f;
@@ -74,8 +66,7 @@ __global__ void rms_norm_kernel(const bf16* x, int64_t x_stride, const bf16* w, 
 
 __global__ void add_rms_norm_kernel(bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
                                     const bf16* w, float eps, int64_t cols, bf16* out, int64_t out_stride) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   bf16* r = res + blockIdx.x * res_stride;
   const bf16* d = delta + blockIdx.x * delta_stride;
   bf16* o = out + blockIdx.x * out_stride;
@@ -119,8 +110,7 @@ template <bool kAdd>
 __global__ void __launch_bounds__(kRowThreads)
     rms_norm_vec_kernel(bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride, const bf16* w,
                         float eps, int cols, bf16* out, int64_t out_stride) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   bf16* r = res + blockIdx.x * res_stride;
   const bf16* d = kAdd ? delta + blockIdx.x * delta_stride : nullptr;
   bf16* o = out + blockIdx.x * out_stride;
@@ -223,8 +213,7 @@ __device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16*
 // One warp per (row, head).
 __global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int head_dim, const bf16* norm_w,
                                       float eps, const int32_t* positions, const float* inv_freq, int64_t n_items) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= n_items) return;
   const int64_t row = item / n_heads;
@@ -239,8 +228,7 @@ __global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads,
                                          const bf16* q_norm, const bf16* k_norm, float eps, const int32_t* positions,
                                          const float* inv_freq, bf16* kc, int64_t kc_stride, bf16* vc,
                                          int64_t vc_stride, const int32_t* slots, int64_t n_items) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= n_items) return;
   const int lane = threadIdx.x % 32, per_row = n_heads + n_kv_heads;
@@ -263,8 +251,7 @@ __global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads,
 }
 
 __global__ void swiglu_kernel(const bf16* gu, int64_t gu_stride, int64_t n, bf16* out, int64_t out_stride) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const int64_t r = blockIdx.y;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -275,8 +262,7 @@ __global__ void swiglu_kernel(const bf16* gu, int64_t gu_stride, int64_t n, bf16
 
 __global__ void kv_write_kernel(const bf16* k, int64_t k_stride, const bf16* v, int64_t v_stride, int64_t cols,
                                 bf16* kc, int64_t kc_stride, bf16* vc, int64_t vc_stride, const int32_t* slots) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const int64_t r = blockIdx.x, slot = slots[r];
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
     kc[slot * kc_stride + i] = k[r * k_stride + i];
@@ -285,8 +271,7 @@ __global__ void kv_write_kernel(const bf16* k, int64_t k_stride, const bf16* v, 
 }
 
 __global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, int32_t* out) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const bf16* row = x + blockIdx.x * stride;
   float best = -FLT_MAX;
   int64_t best_i = cols;  // NaN-only rows fall back to index 0 below
@@ -312,8 +297,7 @@ __global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, int32
 }
 
 __global__ void add_bias_kernel(bf16* out, int64_t stride, int64_t cols, const bf16* bias) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   const int64_t r = blockIdx.y;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < cols;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -321,16 +305,14 @@ __global__ void add_bias_kernel(bf16* out, int64_t stride, int64_t cols, const b
 }
 
 __global__ void f32_to_bf16_kernel(const float* src, bf16* dst, int64_t n) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     st(dst + i, src[i]);
 }
 
 __global__ void fill_random_kernel(bf16* dst, int64_t n, uint64_t seed, float scale) {
-  pdl_wait();
-  pdl_release();
+  pdl_begin();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     uint64_t z = seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i + 1);  // splitmix64
@@ -379,8 +361,8 @@ void launch_add_rms_norm(Mat residual, const Mat& delta, const bf16* w, float ep
            delta.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride);
     return;
   }
-  launch(add_rms_norm_kernel, residual.rows, kRowThreads, s, residual.data, residual.stride, delta.data, delta.stride, w,
-                                                            eps, residual.cols, out.data, out.stride);
+  launch(add_rms_norm_kernel, residual.rows, kRowThreads, s, residual.data, residual.stride, delta.data,
+         delta.stride, w, eps, residual.cols, out.data, out.stride);
 }
 
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
@@ -388,8 +370,8 @@ void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w,
   const int64_t n_items = x.rows * n_heads;
   if (n_items == 0) return;
   constexpr int kWarps = 4;
-  launch(head_norm_rope_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s, 
-      x.data, x.stride, n_heads, head_dim, norm_w, eps, positions, inv_freq, n_items);
+  launch(head_norm_rope_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s,
+         x.data, x.stride, n_heads, head_dim, norm_w, eps, positions, inv_freq, n_items);
 }
 
 void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim, const bf16* q_norm,
@@ -398,9 +380,9 @@ void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim
   const int64_t n_items = qkv.rows * (n_heads + n_kv_heads);
   if (n_items == 0) return;
   constexpr int kWarps = 4;
-  launch(qkv_rope_kv_write_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s, 
-      qkv.data, qkv.stride, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, positions, inv_freq, k_cache.data,
-      k_cache.stride, v_cache.data, v_cache.stride, slots, n_items);
+  launch(qkv_rope_kv_write_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s,
+         qkv.data, qkv.stride, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, positions, inv_freq,
+         k_cache.data, k_cache.stride, v_cache.data, v_cache.stride, slots, n_items);
 }
 
 // Row-indexed grids put rows on gridDim.y (at most 65535 per launch).
@@ -409,15 +391,15 @@ constexpr int64_t kMaxGridRows = 65535;
 void launch_swiglu(const Mat& gate_up, Mat out, cudaStream_t s) {
   for (int64_t r0 = 0; r0 < out.rows; r0 += kMaxGridRows) {
     const int64_t n = out.rows - r0 < kMaxGridRows ? out.rows - r0 : kMaxGridRows;
-    launch(swiglu_kernel, dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, s, 
-        gate_up.data + r0 * gate_up.stride, gate_up.stride, out.cols, out.data + r0 * out.stride, out.stride);
+    launch(swiglu_kernel, dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, s,
+           gate_up.data + r0 * gate_up.stride, gate_up.stride, out.cols, out.data + r0 * out.stride, out.stride);
   }
 }
 
 void launch_kv_write(const Mat& k, const Mat& v, Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s) {
   if (k.rows == 0) return;
   launch(kv_write_kernel, k.rows, 128, s, k.data, k.stride, v.data, v.stride, k.cols, k_cache.data, k_cache.stride,
-                                         v_cache.data, v_cache.stride, slots);
+         v_cache.data, v_cache.stride, slots);
 }
 
 void launch_argmax(const Mat& x, int32_t* out, cudaStream_t s) {
@@ -428,8 +410,8 @@ void launch_argmax(const Mat& x, int32_t* out, cudaStream_t s) {
 void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s) {
   for (int64_t r0 = 0; r0 < out.rows; r0 += kMaxGridRows) {
     const int64_t n = out.rows - r0 < kMaxGridRows ? out.rows - r0 : kMaxGridRows;
-    launch(add_bias_kernel, dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, s, 
-        out.data + r0 * out.stride, out.stride, out.cols, bias);
+    launch(add_bias_kernel, dim3(grid_for(out.cols, 256, 64), static_cast<unsigned>(n)), 256, s,
+           out.data + r0 * out.stride, out.stride, out.cols, bias);
   }
 }
 

@@ -3,8 +3,9 @@
 // and the previous kernel's tail overlap. Every kernel launched through
 // `launch` calls pdl_wait() before it touches memory that an earlier kernel
 // writes (or reads: the wait also orders writes after earlier reads), and then
-// pdl_release() so that the next kernel may be scheduled. Work that needs no
-// earlier result, such as prefetching weights, may come before pdl_wait().
+// pdl_release() so that the next kernel may be scheduled (pdl_begin() does
+// both). Work that needs no earlier result, such as prefetching weights, may
+// come before that.
 //
 // Every kernel waits unconditionally, before any early return: a kernel then
 // completes only after its predecessor has, so ordering stays transitive.
@@ -29,6 +30,12 @@ __device__ __forceinline__ void pdl_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// The usual start of a kernel: wait for the previous kernel, then let the next one be scheduled.
+__device__ __forceinline__ void pdl_begin() {
+  pdl_wait();
+  pdl_release();
 }
 
 // kernel<<<grid, block, 0, s>>>(args...), allowed to overlap its predecessor when PDL is on.

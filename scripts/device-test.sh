@@ -11,7 +11,7 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits bench profile serving" (default: all but profile).
+# Steps can be chosen with STEPS="tests logits bench profile ab serving" (default: all but profile and ab).
 # DFLASH_PDL=0 turns programmatic dependent launch off (A/B timings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -85,16 +85,33 @@ if [[ $steps == *profile* ]]; then
   echo "== profile: bench-step batch 1, context 512, every graph node traced =="
   [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
   [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
-  for pdl in 1 0; do
-    DFLASH_PDL=$pdl CUDA_INJECTION64_PATH="$PWD/build-dev/lib/libdflash_kernel_trace.so" \
-      DFLASH_TRACE_OUT="$out/profile_pdl$pdl.txt" "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" \
-      --draft "$ckpt/dflash-8b" --batch 1 --context 512 --iters 20 --warmup 3 --skip-kernels \
-      --leak-check-steps 0 > "$out/profile_run_pdl$pdl.txt" 2>&1 || status=1
+  # Variants: PROFILE="name=ENV ..." entries separated by ';' (default: PDL on and off).
+  IFS=';' read -ra variants <<< "${PROFILE:-pdl1=DFLASH_PDL=1;pdl0=DFLASH_PDL=0}"
+  for v in "${variants[@]}"; do
+    name=${v%%=*}
+    env ${v#*=} CUDA_INJECTION64_PATH="$PWD/build-dev/lib/libdflash_kernel_trace.so" \
+      DFLASH_TRACE_OUT="$out/profile_$name.txt" "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" \
+      --draft "$ckpt/dflash-8b" --batch "${PROFILE_BATCH:-1}" --context 512 --iters 20 --warmup 3 --skip-kernels \
+      --leak-check-steps 0 > "$out/profile_run_$name.txt" 2>&1 || status=1
   done
   # The same rows untraced, PDL on and off (A/B timing).
   for pdl in 1 0; do
     DFLASH_PDL=$pdl "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
       --batch 1,32 --context 512 --skip-kernels --leak-check-steps 0 2>&1 | tee "$out/bench_step_pdl$pdl.txt" || status=1
+  done
+fi
+
+if [[ " $steps " == *" ab "* ]]; then
+  # A/B timing of environment settings, one bench-step run per entry of AB (';'-separated; an
+  # empty entry runs the defaults), e.g. AB=";DFLASH_L2_PREFETCH=0;DFLASH_PDL=0".
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  IFS=';' read -ra variants <<< "${AB:-;DFLASH_L2_PREFETCH=0}"
+  for i in "${!variants[@]}"; do
+    echo "== A/B $i: ${variants[$i]:-defaults} =="
+    env ${variants[$i]} "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
+      --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --skip-kernels --leak-check-steps 0 2>&1 |
+      tee "$out/ab_$i.txt" || status=1
   done
 fi
 

@@ -294,7 +294,8 @@ TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
                          ::testing::Values(AttnCase{32, 8, 128, 16, 0}, AttnCase{6, 2, 64, 16, 0},
                                            AttnCase{4, 4, 24, 7, 0}, AttnCase{8, 1, 256, 32, 0},
-                                           AttnCase{16, 4, 128, 16, 100}),
+                                           AttnCase{16, 4, 128, 16, 100}, AttnCase{12, 4, 96, 16, 0},
+                                           AttnCase{32, 1, 64, 8, 0}),
                          [](const auto& info) {
                            const AttnCase& c = info.param;
                            return "h" + std::to_string(c.n_heads) + "_kv" + std::to_string(c.n_kv_heads) + "_d" +

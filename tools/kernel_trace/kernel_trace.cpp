@@ -69,7 +69,10 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
     if (rec->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
     const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-    g_records.push_back({short_name(k->name), k->start, k->end, k->correlationId, k->graphId});
+    // The grid tells apart launches of one kernel on different shapes (q/k/v vs o products).
+    g_records.push_back({short_name(k->name) + " [" + std::to_string(k->gridX) + "x" + std::to_string(k->gridY) + "x" +
+                             std::to_string(k->gridZ) + "]",
+                         k->start, k->end, k->correlationId, k->graphId});
   }
   size_t dropped = 0;
   cuptiActivityGetNumDroppedRecords(nullptr, 0, &dropped);
@@ -81,6 +84,32 @@ double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// The first kernels of a replay in start order (one layer's worth shows where a layer's time
+// goes): median duration, and median time added to the replay's end (the end minus the latest
+// end before it), which stays meaningful when programmatic dependent launch overlaps kernels.
+void write_first_nodes(FILE* f, const std::map<uint32_t, std::vector<size_t>>& replays) {
+  const char* env = std::getenv("DFLASH_TRACE_NODES");
+  const size_t n_nodes = env ? std::strtoul(env, nullptr, 10) : 16;
+  std::vector<std::vector<double>> dur(n_nodes), added(n_nodes);
+  std::vector<std::string> names(n_nodes);
+  for (const auto& [corr, idx] : replays) {
+    std::vector<size_t> order = idx;
+    std::sort(order.begin(), order.end(), [](size_t a, size_t b) { return g_records[a].start < g_records[b].start; });
+    uint64_t last_end = order.empty() ? 0 : g_records[order[0]].start;
+    for (size_t j = 0; j < order.size() && j < n_nodes; ++j) {
+      const KernelRecord& r = g_records[order[j]];
+      dur[j].push_back(static_cast<double>(r.end - r.start) / 1e3);
+      added[j].push_back(r.end > last_end ? static_cast<double>(r.end - last_end) / 1e3 : 0.0);
+      last_end = std::max(last_end, r.end);
+      names[j] = r.name;
+    }
+  }
+  std::fprintf(f, "first kernels of a replay, in start order:\n%6s %10s %10s  %s\n", "node", "dur_us", "added_us",
+               "kernel");
+  for (size_t j = 0; j < n_nodes && !dur[j].empty(); ++j)
+    std::fprintf(f, "%6zu %10.2f %10.2f  %s\n", j, median(dur[j]), median(added[j]), names[j].c_str());
 }
 
 void write_summary() {
@@ -131,6 +160,7 @@ void write_summary() {
     for (const auto& [name, e] : rows)
       std::fprintf(f, "%12.1f %10.2f %12.1f  %s\n", static_cast<double>(e.first) / n, e.second / e.first,
                    e.second / n, name.c_str());
+    if (graph != 0) write_first_nodes(f, replays);
   }
   if (f != stderr) std::fclose(f);
 }

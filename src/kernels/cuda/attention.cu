@@ -1,20 +1,24 @@
-// Attention over the paged KV cache with GQA, one kernel for every mode:
-// decode (one query), verification (causal inside the block), the draft block
-// (no mask) and prefill. A block of two warps owns one (query row, KV head,
-// split of kAttnSplitKeys keys) and serves every query head of that KV head's
-// group, so each key and value row is read once per group. Splits count from
-// key 0, so a row's splits and their combination order depend only on its own
-// visible keys: a token's attention output is the same alone or in a batch.
+// Attention over the paged KV cache with GQA, for every mode: decode (one
+// query), verification (causal inside the block), the draft block (no mask)
+// and prefill. Heads of up to 128 dims take the tensor-core kernel of
+// attention_mma.cu; this file has the per-row kernel for larger heads and the
+// combination of splits that both use. Splits count from key 0, so a row's
+// splits and their combination order depend only on its own visible keys: a
+// token's attention output is the same alone or in a batch.
 //
-// Each warp takes 32 keys: lane j reads key j's row and scores it for every
-// head, the warp takes the softmax of its tile, then reads the value rows
-// coalesced (lane l owns dims [l*D, l*D + D)), several in flight. The two warps
-// merge in order; several splits are combined by a second kernel.
+// Per-row kernel: a block of two warps owns one (query row, KV head, split of
+// kAttnSplitKeys keys) and serves every query head of that KV head's group, so
+// each key and value row is read once per group. Each warp takes 32 keys: lane
+// j reads key j's row and scores it for every head, the warp takes the softmax
+// of its tile, then reads the value rows coalesced (lane l owns dims [l*D,
+// l*D + D)), several in flight. The two warps merge in order.
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <type_traits>
 
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/attention_mma.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -25,18 +29,6 @@ namespace {
 // Query heads per warp: the group rounded up to 1, 2, 4 or 8; larger groups go in chunks of 8.
 constexpr int kGroupChunk(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
 constexpr unsigned kFull = 0xffffffffu;
-
-struct Visible {
-  int begin, end;  // keys [begin, end)
-};
-
-__device__ __forceinline__ Visible visible_keys(const AttnRow& r, int window) {
-  int end = r.causal ? min(r.position + 1, r.n_keys) : r.n_keys;
-  int begin = window > 0 ? max(0, r.position - window + 1) : 0;
-  return {begin, max(begin, end)};
-}
-
-__device__ __forceinline__ int n_splits_of(const Visible& v) { return (v.end + kAttnSplitKeys - 1) / kAttnSplitKeys; }
 
 // D bf16 values of a row, loaded as one raw word (2 to 16 bytes).
 template <int D>
@@ -121,9 +113,7 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   if (j_lo < j_hi) {
     const int key = base + lane;
     const bool visible = key >= lo && key < hi;
-    const int64_t slot = visible ? static_cast<int64_t>(pages[key / shp.page_size]) * shp.page_size +
-                                       key % shp.page_size
-                                 : 0;
+    const int64_t slot = visible ? key_slot(pages, key, shp.page_size) : 0;
     // Scores: each lane reads its key's row once, in two halves (registers), and scores it for
     // every head of the group.
     constexpr int kPart = kChunks > 4 ? kChunks / 2 : kChunks;
@@ -236,62 +226,28 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   }
 }
 
-// One warp per (row, head) combines the row's splits: the normalizer over
-// lanes (lane-strided, then a butterfly), the values in split order, kCombineBatch
-// splits' loads in flight at a time. Fixed orders: batch-independent.
-constexpr int kCombineBatch = 8;
-constexpr int kMaxDimsPerLane = 8;  // head_dim <= 256
-
+// One warp per (row, head) combines the row's splits (combine_splits).
 __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, const float* workspace,
                                int max_splits, bf16* out, int64_t out_stride) {
   pdl_begin();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= static_cast<int64_t>(n_rows) * shp.n_heads) return;
-  const int lane = threadIdx.x % 32, hd = shp.head_dim, stride = hd + 2;
   const int row = static_cast<int>(item / shp.n_heads), head = static_cast<int>(item % shp.n_heads);
   const int n_splits = n_splits_of(visible_keys(rows[row], shp.sliding_window));
-  if (n_splits <= 1) return;  // written directly by attention_kernel
-  const float* base = workspace + item * max_splits * stride;
-  float m = -INFINITY;
-  for (int s = lane; s < n_splits; s += 32) m = fmaxf(m, base[s * stride]);
-  m = warp_max(m);
-  float l = 0.0f;
-  for (int s = lane; s < n_splits; s += 32) {
-    const float ms = base[s * stride];
-    if (ms != -INFINITY) l += base[s * stride + 1] * __expf(ms - m);
-  }
-  l = warp_sum(l);
-  float a[kMaxDimsPerLane];
-#pragma unroll
-  for (int j = 0; j < kMaxDimsPerLane; ++j) a[j] = 0.0f;
-  for (int s0 = 0; s0 < n_splits; s0 += kCombineBatch) {
-    float c[kCombineBatch], v[kCombineBatch][kMaxDimsPerLane];
-#pragma unroll
-    for (int u = 0; u < kCombineBatch; ++u) {
-      const int s = s0 + u;
-      const float ms = s < n_splits ? base[s * stride] : -INFINITY;
-      c[u] = ms != -INFINITY ? __expf(ms - m) : 0.0f;
-#pragma unroll
-      for (int j = 0; j < kMaxDimsPerLane; ++j) {
-        const int d = lane + 32 * j;
-        v[u][j] = s < n_splits && d < hd ? base[s * stride + 2 + d] : 0.0f;  // every split writes its values
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kCombineBatch; ++u)
-#pragma unroll
-      for (int j = 0; j < kMaxDimsPerLane; ++j) a[j] += v[u][j] * c[u];
-  }
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  auto* o = reinterpret_cast<__nv_bfloat16*>(out + row * out_stride + static_cast<int64_t>(head) * hd);
-#pragma unroll
-  for (int j = 0; j < kMaxDimsPerLane; ++j) {
-    const int d = lane + 32 * j;
-    if (d < hd) o[d] = __float2bfloat16(a[j] * inv);
-  }
+  if (n_splits <= 1) return;  // written directly by the attention kernel
+  combine_splits<8>(workspace + item * max_splits * (shp.head_dim + 2), n_splits, shp.head_dim,
+                 out + row * out_stride + static_cast<int64_t>(head) * shp.head_dim);
 }
 
 int max_splits_for(int max_keys) { return (max_keys + kAttnSplitKeys - 1) / kAttnSplitKeys; }
+
+void launch_combine(const AttnRow* rows, int n_rows, int splits, const AttnShape& shp, const float* workspace,
+                    Mat out, cudaStream_t s) {
+  if (splits <= 1) return;
+  const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;
+  launch(combine_kernel, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, workspace, splits,
+         out.data, out.stride);
+}
 
 }  // namespace
 
@@ -301,11 +257,21 @@ int64_t attention_workspace_bytes(int n_rows, int max_keys, const AttnShape& sha
   return static_cast<int64_t>(n_rows) * shape.n_heads * splits * (shape.head_dim + 2) * sizeof(float);
 }
 
+int attention_rows_per_tile(const AttnShape& shape) {
+  const int heads = attention_mma_heads(shape);
+  return heads > 0 ? 16 / heads : 1;
+}
+
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
-                      int max_keys, const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
-                      cudaStream_t s) {
+                      const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
+                      const AttnShape& shp, float* workspace, Mat out, cudaStream_t s) {
   if (n_rows == 0) return;
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
+  if (attention_mma_heads(shp) > 0) {
+    launch_attention_mma(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out, s);
+    launch_combine(rows, n_rows, splits, shp, workspace, out, s);
+    return;
+  }
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kGroupChunk(group) - 1) / kGroupChunk(group);
   const dim3 grid(static_cast<unsigned>(n_rows * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
   auto run = [&](auto kernel) {
@@ -323,11 +289,7 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
   else if (shp.head_dim <= 64) by_group(std::integral_constant<int, 2>{});
   else if (shp.head_dim <= 128) by_group(std::integral_constant<int, 4>{});
   else by_group(std::integral_constant<int, 8>{});
-  if (splits > 1) {
-    const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;
-    launch(combine_kernel, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, workspace, splits,
-           out.data, out.stride);
-  }
+  launch_combine(rows, n_rows, splits, shp, workspace, out, s);
 }
 
 }  // namespace dflash::cuda

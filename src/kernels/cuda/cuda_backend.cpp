@@ -376,7 +376,10 @@ class CudaBackend final : public Backend {
     check(p.head_dim % 8 == 0 && p.head_dim <= 256, "cuda backend: head_dim ", p.head_dim,
           " is not supported (multiple of 8, <= 256)");
     check(p.n_kv_heads > 0 && p.n_heads % p.n_kv_heads == 0, "cuda backend: heads do not form GQA groups");
+    const cuda::AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
+    const int tile_rows = cuda::attention_rows_per_tile(shape);
     std::vector<cuda::AttnRow> rows(static_cast<size_t>(q.rows));
+    std::vector<cuda::AttnTile> tiles;
     std::vector<int32_t> tables;
     int max_keys = 0;
     for (const auto& seg : segments) {
@@ -386,15 +389,20 @@ class CudaBackend final : public Backend {
       for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; ++r) {
         rows[r] = {positions[r], seg.n_keys, seg.causal ? 1 : 0, offset};
       }
+      for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; r += tile_rows) {
+        tiles.push_back({r, std::min(tile_rows, seg.first_row + seg.n_rows - r)});
+      }
       max_keys = std::max(max_keys, seg.n_keys);
     }
     if (tables.empty()) tables.push_back(0);
-    const cuda::AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
+    if (tiles.empty()) tiles.push_back({0, 0});
     const int64_t ws = cuda::attention_workspace_bytes(static_cast<int>(q.rows), max_keys, shape);
     float* workspace = static_cast<float*>(workspace_for(ws));
     const auto* d_rows = static_cast<const cuda::AttnRow*>(stage_bytes(rows.data(), rows.size() * sizeof(rows[0])));
-    cuda::launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows), max_keys,
-                           stage(tables), shape, workspace, mat(out), s_);
+    const auto* d_tiles =
+        static_cast<const cuda::AttnTile*>(stage_bytes(tiles.data(), tiles.size() * sizeof(tiles[0])));
+    cuda::launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows), d_tiles,
+                           static_cast<int>(tiles.size()), max_keys, stage(tables), shape, workspace, mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -491,6 +499,8 @@ class CudaBackend final : public Backend {
   }
 
   cudaDeviceProp props_{};
+  bool l2_prefetch_ = false;
+  int* attn_counters_ = nullptr;  // the attention's split counters (launch_attention)  // weights head for L2 ahead of their product (Backend::prefetch)
   std::shared_ptr<StreamOwner> owner_;
   cudaStream_t s_ = nullptr;
   std::unique_ptr<cuda::LtGemm> lt_;

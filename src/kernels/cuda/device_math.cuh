@@ -1,6 +1,9 @@
-// Small device helpers shared by the kernels: bf16 rounding and warp reductions
-// (butterflies: every lane ends with the same result, in a fixed order).
+// Small device helpers shared by the kernels: bf16 rounding, warp reductions
+// (butterflies: every lane ends with the same result, in a fixed order) and the
+// tensor-core tile product.
 #pragma once
+
+#include <cstdint>
 
 #include <cuda_bf16.h>
 
@@ -17,6 +20,16 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// d += a * b for one m16n8k16 tile: bf16 operands in the mma.sync fragment layout, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 }  // namespace dflash::cuda

@@ -79,8 +79,17 @@ struct AttnShape {
 constexpr int kAttnSplitKeys = 64;
 // Bytes of float workspace the attention needs for `n_rows` rows of at most `max_keys` keys.
 int64_t attention_workspace_bytes(int n_rows, int max_keys, const AttnShape& shape);
+
+// Consecutive rows of one sequence that share a block of the tensor-core kernel.
+struct AttnTile {
+  int32_t first_row, n_rows;
+};
+// Rows per tile for a shape: tiles group at most this many rows (never two sequences).
+int attention_rows_per_tile(const AttnShape& shape);
+
+// Attention of every row over its sequence's paged keys; `tiles` cover the rows.
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
-                      int max_keys, const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
-                      cudaStream_t s);
+                      const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
+                      const AttnShape& shape, float* workspace, Mat out, cudaStream_t s);
 
 }  // namespace dflash::cuda

@@ -30,15 +30,6 @@ __device__ __forceinline__ uint4 load_stream(const bf16* p) {
   return v;
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ void prefetch_l2(const bf16* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // Output features of one block: RT tiles of 16, or 16 when a gate tile pairs with an up tile.

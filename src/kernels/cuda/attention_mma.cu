@@ -1,0 +1,285 @@
+// Attention on tensor cores for head_dim <= 128, FlashAttention-2's tile
+// products with the query vectors of a tile of rows as the M side. A block owns
+// one (tile of rows of one sequence, KV head, chunk of its query heads, split of
+// kAttnSplitKeys keys); its 16 query vectors are rows x heads of the GQA group,
+// so a verification block of 16 rows reads each key and value row 4 times (one
+// per tile) instead of 16, and a decode row reads it once for its whole group.
+//
+// Warp w takes keys [16w, 16w + 16) of the split: scores S = Q K^T with K rows
+// read straight into B fragments (Q and K use the same permutation of the dims
+// inside each 32-dim chunk, which leaves the dot products unchanged), a masked
+// softmax over its 16 keys in fp32, P rounded to bf16 (and summed as rounded),
+// then O += P V with V staged in shared memory and read transposed by ldmatrix.
+// The warps merge in warp order; several splits are combined by the combine
+// kernel of attention.cu, exactly as for the per-row kernel.
+//
+// No arithmetic mixes the rows of a tile and every order is fixed, so a row's
+// result does not depend on the rows it is batched with.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/attention_mma.h"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/pdl.cuh"
+
+namespace dflash::cuda {
+namespace {
+
+constexpr int kWarps = kAttnSplitKeys / 16;  // 16 keys per warp
+constexpr int kVecs = 16;                    // query vectors per block: the mma M side
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// 16 bytes global -> shared without registers; zero-filled when !ok.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  const auto a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ uint4 load16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// One block's split: scores, softmax and values for its 16 query vectors (vector g and g + 8
+// of this thread: vrow, vhead, visible keys [lo, hi) of the split, vsplits splits in all),
+// then the warps' merge and the output (one split) or the split's partial (several).
+template <int HD>
+__device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, const bf16* kc, int64_t k_stride,
+                                             const bf16* vc, int64_t v_stride, const AttnRow r0,
+                                             const int32_t* page_tables, const AttnShape& shp, int kv_head, int split,
+                                             const int (&vrow)[2], const int (&vhead)[2], const int (&lo)[2],
+                                             const int (&hi)[2], const int (&vsplits)[2], const bool (&vok)[2],
+                                             float* workspace, int max_splits, bf16* out, int64_t out_stride,
+                                             bf16 (*v_s)[16][HD + 8], float (*other)[4 + HD / 2][32]) {
+  constexpr int kChunks = HD / 32;   // 32-dim chunks of the score product
+  constexpr int kDimTiles = HD / 8;  // 8-dim tiles of the output
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4, hd = shp.head_dim;
+
+  // The warp's keys: n-tile t holds keys kbase + 8t + (0..7); this lane loads key kbase + 8t + g.
+  const int32_t* pages = page_tables + r0.page_offset;
+  const int kbase = split * kAttnSplitKeys + warp * 16;
+  int64_t slot[2];
+  bool kok[2];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int key = kbase + 8 * t + g;
+    kok[t] = key < r0.n_keys;
+    slot[t] = kok[t] ? key_slot(pages, key, shp.page_size) : 0;
+  }
+  const int64_t head_off = static_cast<int64_t>(kv_head) * hd;
+
+  // V rows of the warp's 16 keys head for shared memory first, then K and Q into registers.
+  constexpr int kPieces = 16 * HD / 8;  // 16-byte pieces of the warp's V tile
+#pragma unroll
+  for (int p = lane; p < kPieces; p += 32) {
+    const int kr = p / (HD / 8), part = p % (HD / 8);
+    const int64_t s0 = __shfl_sync(kFull, slot[0], (kr % 8) * 4), s1 = __shfl_sync(kFull, slot[1], (kr % 8) * 4);
+    const bool ok = kbase + kr < r0.n_keys && part * 8 < hd;
+    cp_async16(&v_s[warp][kr][part * 8], ok ? vc + (kr < 8 ? s0 : s1) * v_stride + head_off + part * 8 : vc, ok);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+
+  uint4 kb[2][kChunks], qa[kChunks][2];
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int d = c * 32 + qd * 8;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) kb[t][c] = kok[t] && d < hd ? load16(kc + slot[t] * k_stride + head_off + d) : zero;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      qa[c][h] = vok[h] && d < hd ? load16(q + vrow[h] * q_stride + static_cast<int64_t>(vhead[h]) * hd + d) : zero;
+  }
+
+  // Scores: sc[t] = (vector g, keys 8t + 2qd + {0, 1}) and (vector g + 8, the same keys).
+  float sc[2][4] = {};
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const uint32_t a0 = s ? qa[c][0].z : qa[c][0].x, a1 = s ? qa[c][1].z : qa[c][1].x;
+      const uint32_t a2 = s ? qa[c][0].w : qa[c][0].y, a3 = s ? qa[c][1].w : qa[c][1].y;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) mma_bf16(sc[t], a0, a1, a2, a3, s ? kb[t][c].z : kb[t][c].x, s ? kb[t][c].w : kb[t][c].y);
+    }
+
+  // Masked softmax over the warp's 16 keys per vector; a quad of lanes holds a vector's keys.
+  const float scale = rsqrtf(static_cast<float>(hd));
+  float m[2], l[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = kbase + 8 * t + 2 * qd + e;
+        const float v = key >= lo[h] && key < hi[h] ? sc[t][2 * h + e] * scale : -INFINITY;
+        sc[t][2 * h + e] = v;
+        mx = fmaxf(mx, v);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+    float sum = 0.0f;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = mx == -INFINITY ? 0.0f : round_bf(__expf(sc[t][2 * h + e] - mx));
+        sc[t][2 * h + e] = p;
+        sum += p;
+      }
+    sum += __shfl_xor_sync(kFull, sum, 1);
+    sum += __shfl_xor_sync(kFull, sum, 2);
+    m[h] = mx;
+    l[h] = sum;
+  }
+
+  // O = P V: P's A fragment is the score tile's accumulator layout, V's B fragments come transposed.
+  const uint32_t pa0 = pack_bf16(sc[0][0], sc[0][1]), pa1 = pack_bf16(sc[0][2], sc[0][3]);
+  const uint32_t pa2 = pack_bf16(sc[1][0], sc[1][1]), pa3 = pack_bf16(sc[1][2], sc[1][3]);
+  float acc[kDimTiles][4] = {};
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncwarp();
+#pragma unroll
+  for (int np = 0; np < HD / 16; ++np) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, &v_s[warp][lane % 8 + 8 * ((lane / 8) % 2)][np * 16 + 8 * (lane / 16)]);
+    mma_bf16(acc[2 * np], pa0, pa1, pa2, pa3, b[0], b[1]);
+    mma_bf16(acc[2 * np + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
+  }
+
+  // The warps merge in warp order (a fixed order: batch-independent).
+  if (warp > 0) {
+    float(*o)[32] = other[warp - 1];
+    o[0][lane] = m[0], o[1][lane] = m[1], o[2][lane] = l[0], o[3][lane] = l[1];
+#pragma unroll
+    for (int nt = 0; nt < kDimTiles; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[4 + nt * 4 + i][lane] = acc[nt][i];
+  }
+  __syncthreads();
+  if (warp > 0) return;  // warp 0 merges and writes
+  for (int w = 0; w < kWarps - 1; ++w) {
+    const float(*o)[32] = other[w];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float om = o[h][lane], m_new = fmaxf(m[h], om);
+      if (m_new == -INFINITY) continue;  // neither has a visible key
+      const float c_self = __expf(m[h] - m_new), c_other = __expf(om - m_new);
+      l[h] = l[h] * c_self + o[2 + h][lane] * c_other;
+#pragma unroll
+      for (int nt = 0; nt < kDimTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          acc[nt][2 * h + e] = acc[nt][2 * h + e] * c_self + o[4 + nt * 4 + 2 * h + e][lane] * c_other;
+      m[h] = m_new;
+    }
+  }
+
+  // A vector with one split writes its output; otherwise its split's (m, l, acc) for the combine.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (!vok[h] || split >= vsplits[h]) continue;
+    if (vsplits[h] == 1) {
+      const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+      bf16* o = out + vrow[h] * out_stride + static_cast<int64_t>(vhead[h]) * hd;
+#pragma unroll
+      for (int nt = 0; nt < kDimTiles; ++nt) {
+        const int d = nt * 8 + 2 * qd;
+        if (d < hd)
+          *reinterpret_cast<uint32_t*>(o + d) = pack_bf16(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
+      }
+      continue;
+    }
+    float* part =
+        workspace + ((static_cast<int64_t>(vrow[h]) * shp.n_heads + vhead[h]) * max_splits + split) * (hd + 2);
+    if (qd == 0) part[0] = m[h], part[1] = l[h];
+#pragma unroll
+    for (int nt = 0; nt < kDimTiles; ++nt) {
+      const int d = nt * 8 + 2 * qd;
+      if (d < hd) part[2 + d] = acc[nt][2 * h], part[3 + d] = acc[nt][2 * h + 1];
+    }
+  }
+}
+
+// HD: head_dim rounded up to 64 or 128. `heads` query heads of a KV head's group per block
+// (the group, or chunks of 16), 16 / heads rows per tile.
+template <int HD>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_mma_kernel(const bf16* q, int64_t q_stride, const bf16* kc, int64_t k_stride, const bf16* vc,
+                         int64_t v_stride, const AttnRow* rows, const AttnTile* tiles, const int32_t* page_tables,
+                         AttnShape shp, int heads, float* workspace, int max_splits, bf16* out, int64_t out_stride) {
+  constexpr int kVRow = HD + 8;      // padded: the 8 rows an ldmatrix reads fall on different banks
+  constexpr int kState = 4 + HD / 2;  // m and l of two vectors, their HD / 8 accumulator tiles
+  __shared__ __align__(16) bf16 v_s[kWarps][16][kVRow];
+  __shared__ float other[kWarps - 1][kState][32];  // later warps' (m, l, acc), lane-minor: no bank conflicts
+  // The next kernel may start only when this one's blocks are done (below): launched earlier, its
+  // blocks would land on the SMs this kernel has left and crowd them (a product then runs on part
+  // of the GPU: measured, plain batch 32 10.0 -> 12.7 ms).
+  pdl_wait();
+
+  const int g = threadIdx.x % 32 / 4;
+  const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + heads - 1) / heads;
+  const int chunk = blockIdx.x % chunks, kv_head = (blockIdx.x / chunks) % shp.n_kv_heads;
+  const AttnTile tile = tiles[blockIdx.x / chunks / shp.n_kv_heads];
+  const int split = blockIdx.y, tile_rows = kVecs / heads;
+
+  // This thread's two query vectors, g and g + 8 (vector i = row i / heads, head i % heads).
+  int vrow[2], vhead[2], lo[2], hi[2], vsplits[2];
+  bool vok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = g + 8 * h, ri = i / heads, hj = chunk * heads + i % heads;
+    vok[h] = ri < tile_rows && ri < tile.n_rows && hj < group;
+    vrow[h] = tile.first_row + (vok[h] ? ri : 0);
+    vhead[h] = kv_head * group + hj;
+    const Visible vis = visible_keys(rows[vrow[h]], shp.sliding_window);
+    vsplits[h] = vok[h] ? max(n_splits_of(vis), 1) : 0;  // a row with no keys still writes its zeros
+    lo[h] = max(vis.begin, split * kAttnSplitKeys);
+    hi[h] = vok[h] ? min(vis.end, (split + 1) * kAttnSplitKeys) : lo[h];
+  }
+  // Blocks of splits that no vector of the tile has skip the work.
+  if (__syncthreads_or(split < vsplits[0] || split < vsplits[1]))
+    attend_split<HD>(q, q_stride, kc, k_stride, vc, v_stride, rows[tile.first_row], page_tables, shp, kv_head, split,
+                     vrow, vhead, lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, other);
+
+  pdl_release();
+}
+
+}  // namespace
+
+int attention_mma_heads(const AttnShape& shp) {
+  static const bool off = std::getenv("DFLASH_ATTN_MMA") && std::string(std::getenv("DFLASH_ATTN_MMA")) == "0";
+  if (shp.head_dim > 128 || off) return 0;
+  return std::min(shp.n_heads / shp.n_kv_heads, kVecs);
+}
+
+void launch_attention_mma(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
+                          const AttnTile* tiles, int n_tiles, int splits, const int32_t* page_tables,
+                          const AttnShape& shp, float* workspace, Mat out, cudaStream_t s) {
+  const int heads = attention_mma_heads(shp), group = shp.n_heads / shp.n_kv_heads;
+  const int chunks = (group + heads - 1) / heads;
+  const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
+  auto run = [&](auto kernel) {
+    launch(kernel, grid, kWarps * 32, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
+           v_cache.stride, rows, tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride);
+  };
+  if (shp.head_dim <= 64) run(attention_mma_kernel<64>);
+  else run(attention_mma_kernel<128>);
+}
+
+}  // namespace dflash::cuda

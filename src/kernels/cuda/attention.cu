@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(32 * kTileWarps)
 // One warp per (row, head) combines the row's splits (combine_splits).
 __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, const float* workspace,
                                int max_splits, bf16* out, int64_t out_stride) {
-  pdl_begin();
+  pdl_wait();  // released at the end, as the attention kernels: the product after it gets an empty GPU
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= static_cast<int64_t>(n_rows) * shp.n_heads) return;
   const int row = static_cast<int>(item / shp.n_heads), head = static_cast<int>(item % shp.n_heads);
@@ -237,6 +237,7 @@ __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, c
   if (n_splits <= 1) return;  // written directly by the attention kernel
   combine_splits<8>(workspace + item * max_splits * (shp.head_dim + 2), n_splits, shp.head_dim,
                  out + row * out_stride + static_cast<int64_t>(head) * shp.head_dim);
+  pdl_release();
 }
 
 int max_splits_for(int max_keys) { return (max_keys + kAttnSplitKeys - 1) / kAttnSplitKeys; }

@@ -9,6 +9,9 @@
 //
 // Every kernel waits unconditionally, before any early return: a kernel then
 // completes only after its predecessor has, so ordering stays transitive.
+// Kernels that fill the SMs and come before a product (attention, the split
+// combine) release at their end instead: a product launched early would place
+// its blocks on the few SMs already free and run on part of the GPU.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   }
 }
 
-// One warp per (row, head) combines the row's splits (combine_splits).
+// One warp per (row, head) combines the row's splits (combine_splits), head_dim <= 32 * kDims.
+template <int kDims>
 __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, const float* workspace,
                                int max_splits, bf16* out, int64_t out_stride) {
   pdl_wait();  // released at the end, as the attention kernels: the product after it gets an empty GPU
@@ -235,7 +236,7 @@ __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, c
   const int row = static_cast<int>(item / shp.n_heads), head = static_cast<int>(item % shp.n_heads);
   const int n_splits = n_splits_of(visible_keys(rows[row], shp.sliding_window));
   if (n_splits <= 1) return;  // written directly by the attention kernel
-  combine_splits<8>(workspace + item * max_splits * (shp.head_dim + 2), n_splits, shp.head_dim,
+  combine_splits<kDims>(workspace + item * max_splits * (shp.head_dim + 2), n_splits, shp.head_dim,
                  out + row * out_stride + static_cast<int64_t>(head) * shp.head_dim);
   pdl_release();
 }
@@ -246,8 +247,9 @@ void launch_combine(const AttnRow* rows, int n_rows, int splits, const AttnShape
                     Mat out, cudaStream_t s) {
   if (splits <= 1) return;
   const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;
-  launch(combine_kernel, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, workspace, splits,
-         out.data, out.stride);
+  const auto kernel = shp.head_dim <= 128 ? combine_kernel<4> : combine_kernel<8>;
+  launch(kernel, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, workspace, splits, out.data,
+         out.stride);
 }
 
 }  // namespace

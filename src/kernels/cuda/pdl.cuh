@@ -41,20 +41,25 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_release();
 }
 
-// kernel<<<grid, block, 0, s>>>(args...), allowed to overlap its predecessor when PDL is on.
+// kernel<<<grid, block, smem, s>>>(args...), allowed to overlap its predecessor when PDL is on.
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s, Args... args) {
+void launch_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cfg.attrs = attr;
   cfg.numAttrs = g_pdl_enabled ? 1 : 0;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...));
+}
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s, Args... args) {
+  launch_smem(kernel, grid, block, 0, s, args...);
 }
 
 }  // namespace dflash::cuda

@@ -1,6 +1,7 @@
 // out[M, N] = x[M, K] * w[N, K]^T for small M (decode, verification, draft
-// blocks): memory-bound, so the kernel streams each weight once with 16-byte
-// loads and feeds tensor cores (mma.sync m16n8k16, fp32 accumulation).
+// blocks): memory-bound, so the kernel streams each weight once, through a
+// cp.async ring in shared memory, and feeds tensor cores (mma.sync m16n8k16,
+// fp32 accumulation).
 //
 // The product is computed transposed, out^T = w * x^T: A = 16 weight rows,
 // B = 8 tokens. Each thread loads 8 consecutive k of a weight row and of a
@@ -22,64 +23,98 @@ namespace {
 constexpr int kWarps = 8;   // warps per block, splitting K
 constexpr int kChunk = 32;  // k per chunk (4 threads x 8 elements)
 
-__device__ __forceinline__ uint4 load_stream(const bf16* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+// 16 bytes global -> shared without registers (L2 only); zero-filled when !ok.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
 }
-
-__device__ __forceinline__ void prefetch_l2(const bf16* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Output features of one block: RT tiles of 16, or 16 when a gate tile pairs with an up tile.
 __host__ __device__ constexpr int features_per_block(int rt, bool swiglu) { return swiglu ? 16 : rt * 16; }
 
-// MT: 8-token tiles (M <= 8 * MT); RT: 16-row weight tiles per block; U: chunks in flight per warp.
+// One chunk's operands in shared memory: RT weight tiles of 16 rows and MT token tiles of 8
+// rows, 32 k (4 pieces of 16 bytes) per row.
+template <int MT, int RT>
+struct Stage {
+  uint4 w[RT][16][4];
+  uint4 x[MT][8][4];
+};
+
+// Stages per warp: as many chunks in flight as 12 KiB of shared memory per warp holds (96 KiB a
+// block, two blocks per SM), at least 2, at most 8.
+template <int MT, int RT>
+constexpr int kStages = sizeof(Stage<MT, RT>) * 8 <= 12288 ? 8 : 12288 / sizeof(Stage<MT, RT>) >= 2 ? 12288 / sizeof(Stage<MT, RT>) : 2;
+
+template <int MT, int RT>
+constexpr size_t smem_bytes() {
+  constexpr size_t ring = sizeof(Stage<MT, RT>) * kStages<MT, RT> * kWarps;
+  constexpr size_t red = sizeof(float) * kWarps * RT * MT * 4 * 32;
+  return ring > red ? ring : red;
+}
+
+// MT: 8-token tiles (M <= 8 * MT); RT: 16-row weight tiles per block.
 // kSwiglu (RT == 2): w = [gate; up] with N rows each; tile 0 takes gate rows, tile 1 the same
 // up rows, and the block writes silu(gate) * up for its 16 features, rounded as the separate
 // product and SwiGLU kernels round.
-template <int MT, int RT, int U, bool kSwiglu>
+// Each warp streams its chunks through a ring of kStages stages in shared memory with
+// cp.async, so that many chunks are in flight whatever the register budget; the first stages'
+// weights are requested before waiting on the previous kernel (they need nothing from it).
+template <int MT, int RT, bool kSwiglu>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
                                                                   bf16* __restrict__ out, int64_t out_stride) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
+  constexpr int S = kStages<MT, RT>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * features_per_block(RT, kSwiglu);
+  Stage<MT, RT>* ring = reinterpret_cast<Stage<MT, RT>*>(smem_raw) + warp * S;
 
-  const bf16* wrow[RT][2];
-  bool wok[RT][2];
-#pragma unroll
-  for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t f = n0 + (kSwiglu ? 0 : rt * 16) + h * 8 + g;  // output feature
-      wok[rt][h] = f < N;
-      const int64_t r = kSwiglu && rt == 1 ? N + f : f;
-      wrow[rt][h] = w + (wok[rt][h] ? r : 0) * w_stride + q * 8;
-    }
   const int n_chunks = (K + kChunk - 1) / kChunk;
-  // The weights need nothing from the previous kernel: their first chunks head for L2 before the wait.
+  const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
+
+  // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
+  // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
+  auto issue_w = [&](int i) {
+    if (i >= n_mine) return;
+    const int k0 = (warp + i * kWarps) * kChunk;
+    Stage<MT, RT>& st = ring[i % S];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int c = warp + u * kWarps;
+    for (int j = 0; j < 2 * RT; ++j) {
+      const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
+      const int64_t f = n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
+      const int64_t row = kSwiglu && rt == 1 ? N + f : f;
+      const int k = k0 + part * 8;
+      const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
+      cp_async16(&st.w[rt][r][part], ok ? w + row * w_stride + k : w, ok);
+    }
+  };
+  auto issue_x = [&](int i) {
+    if (i >= n_mine) return;
+    const int k = (warp + i * kWarps) * kChunk + q * 8;
+    Stage<MT, RT>& st = ring[i % S];
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
+    for (int mt = 0; mt < MT; ++mt) {
+      const int t = mt * 8 + g;
+      const bool ok = t < M && k < K;
+      cp_async16(&st.x[mt][g][q], ok ? x + t * x_stride + k : x, ok);
+    }
+  };
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (c < n_chunks && c * kChunk + q * 8 < K && wok[rt][h]) prefetch_l2(wrow[rt][h] + c * kChunk);
+  for (int i = 0; i < S; ++i) {
+    issue_w(i);
+    cp_async_commit();
   }
   pdl_begin();
-
-  const bf16* xrow[MT];
-  bool xok[MT];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int t = mt * 8 + g;
-    xok[mt] = t < M;
-    xrow[mt] = x + (xok[mt] ? t : 0) * x_stride + q * 8;
+  for (int i = 0; i < S; ++i) {
+    issue_x(i);
+    cp_async_commit();
   }
 
   float acc[RT][MT][4];
@@ -90,41 +125,39 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.0f;
 
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c0 = warp; c0 < n_chunks; c0 += kWarps * U) {
-    uint4 wv[U][RT][2], xv[U][MT];
+  // Warp j sums its chunks j, j + 8, ... in increasing order.
+  for (int i = 0; i < n_mine; ++i) {
+    cp_async_wait<S - 1>();  // chunk i has landed (later groups may still be in flight)
+    __syncwarp();
+    const Stage<MT, RT>& st = ring[i % S];
+    uint4 wv[RT][2], xv[MT];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * kWarps;
-      const int k = c * kChunk + q * 8;
-      const bool ok = c < n_chunks && k < K;  // K % 8 == 0: a thread's 8 elements are all in or all out
+    for (int rt = 0; rt < RT; ++rt) wv[rt][0] = st.w[rt][g][q], wv[rt][1] = st.w[rt][g + 8][q];
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
+    for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
+    __syncwarp();  // every lane has read the stage before it is refilled
+    issue_w(i + S);
+    issue_x(i + S);
+    cp_async_commit();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) wv[u][rt][h] = ok && wok[rt][h] ? load_stream(wrow[rt][h] + c * kChunk) : zero;
+    for (int s = 0; s < 2; ++s)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        xv[u][mt] = ok && xok[mt] ? __ldg(reinterpret_cast<const uint4*>(xrow[mt] + c * kChunk)) : zero;
-    }
+      for (int rt = 0; rt < RT; ++rt) {
+        const uint4& lo = wv[rt][0];
+        const uint4& hi = wv[rt][1];
+        const uint32_t a0 = s ? lo.z : lo.x, a1 = s ? hi.z : hi.x, a2 = s ? lo.w : lo.y, a3 = s ? hi.w : hi.y;
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          const uint4& lo = wv[u][rt][0];
-          const uint4& hi = wv[u][rt][1];
-          const uint32_t a0 = s ? lo.z : lo.x, a1 = s ? hi.z : hi.x, a2 = s ? lo.w : lo.y, a3 = s ? hi.w : hi.y;
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const uint4& b = xv[u][mt];
-            mma_bf16(acc[rt][mt], a0, a1, a2, a3, s ? b.z : b.x, s ? b.w : b.y);
-          }
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint4& b = xv[mt];
+          mma_bf16(acc[rt][mt], a0, a1, a2, a3, s ? b.z : b.x, s ? b.w : b.y);
         }
+      }
   }
+  cp_async_wait<0>();
 
-  // Cross-warp reduction in warp order, then bias and the bf16 store.
-  __shared__ float red[kWarps][RT][MT][4][32];
+  // Cross-warp reduction in warp order, then bias and the bf16 store (red reuses the ring).
+  __syncthreads();
+  auto& red = *reinterpret_cast<float(*)[kWarps][RT][MT][4][32]>(smem_raw);
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -156,13 +189,19 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
 
 template <int MT, int RT, bool kSwiglu>
 void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
-  // Chunks in flight per warp (no spills; 8 instead of 4 for one-tile products measured the same).
-  constexpr int U = MT == 1 && RT == 1 ? 8 : MT <= 2 ? 4 : 2;
+  constexpr size_t kSmem = smem_bytes<MT, RT>();
+  static const bool configured = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kSmem)));
+    return true;
+  }();
+  (void)configured;
   const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);
   const unsigned blocks = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
-  launch(skinny_gemm_kernel<MT, RT, U, kSwiglu>, blocks, kWarps * 32, s, x.data, x.stride, static_cast<int>(x.rows),
-         w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias, out.data, out.stride);
+  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu>, blocks, kWarps * 32, kSmem, s, x.data, x.stride,
+         static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias, out.data,
+         out.stride);
 }
 
 template <int RT, bool kSwiglu = false>

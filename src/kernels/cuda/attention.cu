@@ -28,7 +28,6 @@ namespace {
 
 // Query heads per warp: the group rounded up to 1, 2, 4 or 8; larger groups go in chunks of 8.
 constexpr int kGroupChunk(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
-constexpr unsigned kFull = 0xffffffffu;
 
 // D bf16 values of a row, loaded as one raw word (2 to 16 bytes).
 template <int D>

@@ -31,17 +31,10 @@ namespace {
 
 constexpr int kWarps = kAttnSplitKeys / 16;  // 16 keys per warp
 constexpr int kVecs = 16;                    // query vectors per block: the mma M side
-constexpr unsigned kFull = 0xffffffffu;
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
-}
-
-// 16 bytes global -> shared without registers; zero-filled when !ok.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
-  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
@@ -90,7 +83,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, co
     const bool ok = kbase + kr < r0.n_keys && part * 8 < hd;
     cp_async16(&v_s[warp][kr][part * 8], ok ? vc + (kr < 8 ? s0 : s1) * v_stride + head_off + part * 8 : vc, ok);
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  cp_async_commit();
 
   uint4 kb[2][kChunks], qa[kChunks][2];
   const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -152,7 +145,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, co
   const uint32_t pa0 = pack_bf16(sc[0][0], sc[0][1]), pa1 = pack_bf16(sc[0][2], sc[0][3]);
   const uint32_t pa2 = pack_bf16(sc[1][0], sc[1][1]), pa3 = pack_bf16(sc[1][2], sc[1][3]);
   float acc[kDimTiles][4] = {};
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  cp_async_wait<0>();
   __syncwarp();
 #pragma unroll
   for (int np = 0; np < HD / 16; ++np) {

@@ -499,8 +499,6 @@ class CudaBackend final : public Backend {
   }
 
   cudaDeviceProp props_{};
-  bool l2_prefetch_ = false;
-  int* attn_counters_ = nullptr;  // the attention's split counters (launch_attention)  // weights head for L2 ahead of their product (Backend::prefetch)
   std::shared_ptr<StreamOwner> owner_;
   cudaStream_t s_ = nullptr;
   std::unique_ptr<cuda::LtGemm> lt_;

@@ -1,6 +1,6 @@
 // Small device helpers shared by the kernels: bf16 rounding, warp reductions
-// (butterflies: every lane ends with the same result, in a fixed order) and the
-// tensor-core tile product.
+// (butterflies: every lane ends with the same result, in a fixed order), the
+// tensor-core tile product and asynchronous copies to shared memory.
 #pragma once
 
 #include <cstdint>
@@ -9,16 +9,18 @@
 
 namespace dflash::cuda {
 
+constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp
+
 // A float rounded to bf16 and back: what a torch op in bf16 stores.
 __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
 __device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
 }
 
 __device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
 
@@ -31,5 +33,15 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// 16 bytes global -> shared without registers (through L2 only); zero-filled when !ok.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 }  // namespace dflash::cuda

@@ -280,8 +280,8 @@ __global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, int32
     if (v > best || (v == best && i < best_i)) best = v, best_i = i;
   }
   for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int64_t oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+    const float ov = __shfl_xor_sync(kFull, best, o);
+    const int64_t oi = __shfl_xor_sync(kFull, best_i, o);
     if (ov > best || (ov == best && oi < best_i)) best = ov, best_i = oi;
   }
   __shared__ float sv[32];

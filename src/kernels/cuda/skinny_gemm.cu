@@ -23,15 +23,6 @@ namespace {
 constexpr int kWarps = 8;   // warps per block, splitting K
 constexpr int kChunk = 32;  // k per chunk (4 threads x 8 elements)
 
-// 16 bytes global -> shared without registers (L2 only); zero-filled when !ok.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
-  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // Output features of one block: RT tiles of 16, or 16 when a gate tile pairs with an up tile.
 __host__ __device__ constexpr int features_per_block(int rt, bool swiglu) { return swiglu ? 16 : rt * 16; }
 
@@ -46,7 +37,12 @@ struct Stage {
 // Stages per warp: as many chunks in flight as 12 KiB of shared memory per warp holds (96 KiB a
 // block, two blocks per SM), at least 2, at most 8.
 template <int MT, int RT>
-constexpr int kStages = sizeof(Stage<MT, RT>) * 8 <= 12288 ? 8 : 12288 / sizeof(Stage<MT, RT>) >= 2 ? 12288 / sizeof(Stage<MT, RT>) : 2;
+constexpr int stages() {
+  constexpr int n = 12288 / sizeof(Stage<MT, RT>);
+  return n < 2 ? 2 : n > 8 ? 8 : n;
+}
+template <int MT, int RT>
+constexpr int kStages = stages<MT, RT>();
 
 template <int MT, int RT>
 constexpr size_t smem_bytes() {

@@ -84,6 +84,32 @@ struct ServingEngine::Impl {
     s.on_event(e);
   }
 
+  // A finished sequence's pages are free before its client hears that it ended, so that a client
+  // reading the metrics right after its last event sees them free.
+  struct Ended {
+    std::unique_ptr<ServeSeq> seq;
+    std::string reason;
+    std::vector<int32_t> tokens;
+  };
+
+  void publish_cache_stats() {  // caller holds mu
+    stats.kv_pages_used = sched->pages_used();
+    stats.kv_pages_cached = sched->pages_cached();
+    stats.prefix_hit_pages = sched->prefix_hit_pages();
+    stats.n_running = sched->n_running();
+    stats.n_waiting = sched->n_waiting();
+    stats.n_preempted = sched->n_preempted();
+  }
+
+  void end_all(std::vector<Ended>& ended) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      publish_cache_stats();
+    }
+    for (auto& e : ended) finish(*e.seq, e.reason, std::move(e.tokens));
+    ended.clear();
+  }
+
   void loop() {
     for (;;) {
       std::vector<std::unique_ptr<ServeSeq>> fresh;
@@ -96,17 +122,14 @@ struct ServingEngine::Impl {
         cancelled.swap(cancels);
       }
       for (auto& s : fresh) sched->add(std::move(s));
+      std::vector<Ended> ended;
       for (uint64_t id : cancelled) {
-        if (auto s = sched->remove(id)) finish(*s, "cancelled");
+        if (auto s = sched->remove(id)) ended.push_back({std::move(s), "cancelled", {}});
       }
+      end_all(ended);
       step();
       std::lock_guard<std::mutex> lk(mu);
-      stats.kv_pages_used = sched->pages_used();
-      stats.kv_pages_cached = sched->pages_cached();
-      stats.prefix_hit_pages = sched->prefix_hit_pages();
-      stats.n_running = sched->n_running();
-      stats.n_waiting = sched->n_waiting();
-      stats.n_preempted = sched->n_preempted();
+      publish_cache_stats();
     }
     for (ServeSeq* s : sched->all()) finish(*s, "cancelled");
   }
@@ -118,6 +141,7 @@ struct ServingEngine::Impl {
     c.acceptance_histogram.assign(stats.acceptance_histogram.size(), 0);
     c.position_accepted.assign(stats.position_accepted.size(), 0);
     std::vector<SeqOutput> outs;
+    std::vector<Ended> ended;
     try {
       outs = runner->run(plan, *sched, c);
     } catch (const std::exception& e) {
@@ -126,8 +150,9 @@ struct ServingEngine::Impl {
       for (const auto& p : plan.prefills) in_step.push_back(p.seq);
       for (ServeSeq* s : in_step) {
         const uint64_t id = s->id;
-        if (auto owned = sched->remove(id)) finish(*owned, std::string("error: ") + e.what());
+        if (auto owned = sched->remove(id)) ended.push_back({std::move(owned), std::string("error: ") + e.what(), {}});
       }
+      end_all(ended);
       return;
     }
     for (auto& o : outs) {
@@ -140,18 +165,19 @@ struct ServingEngine::Impl {
         }
         continue;
       }
-      auto owned = sched->remove(o.seq->id);
-      finish(*owned, o.finish_reason, std::move(o.tokens));
-      std::lock_guard<std::mutex> lk(mu);
-      ++stats.n_finished;
+      ended.push_back({sched->remove(o.seq->id), o.finish_reason, std::move(o.tokens)});
     }
-    std::lock_guard<std::mutex> lk(mu);
-    stats.prompt_tokens += c.prompt_tokens;
-    stats.generated_tokens += c.generated_tokens;
-    stats.dflash_seq_steps += c.dflash_seq_steps;
-    ++stats.n_steps;
-    for (size_t i = 0; i < c.acceptance_histogram.size(); ++i) stats.acceptance_histogram[i] += c.acceptance_histogram[i];
-    for (size_t i = 0; i < c.position_accepted.size(); ++i) stats.position_accepted[i] += c.position_accepted[i];
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stats.n_finished += static_cast<int64_t>(ended.size());
+      stats.prompt_tokens += c.prompt_tokens;
+      stats.generated_tokens += c.generated_tokens;
+      stats.dflash_seq_steps += c.dflash_seq_steps;
+      ++stats.n_steps;
+      for (size_t i = 0; i < c.acceptance_histogram.size(); ++i) stats.acceptance_histogram[i] += c.acceptance_histogram[i];
+      for (size_t i = 0; i < c.position_accepted.size(); ++i) stats.position_accepted[i] += c.position_accepted[i];
+    }
+    end_all(ended);
   }
 };
 

@@ -83,10 +83,15 @@ TEST_F(CpuKernels, RmsNormAndAddRmsNorm) {
     EXPECT_LT(max_rel_error(be->to_host(out), to_float(norm_ref(xh))), kTol);
     std::vector<double> sum(xh.size());
     for (size_t i = 0; i < sum.size(); ++i) sum[i] = xh[i] + dh[i];
-    Tensor out2 = poisoned(rows, cols);
-    be->add_rms_norm(x, d, w, eps, out2);
-    EXPECT_LT(max_rel_error(be->to_host(x), to_float(sum)), kTol);
+    Tensor out2 = poisoned(rows, cols), x_out = poisoned(rows, cols);
+    be->add_rms_norm(x, d, x_out, w, eps, out2);  // into another tensor
+    EXPECT_LT(max_rel_error(be->to_host(x_out), to_float(sum)), kTol);
     EXPECT_LT(max_rel_error(be->to_host(out2), to_float(norm_ref(sum))), kTol);
+    EXPECT_LT(max_rel_error(be->to_host(x), to_float(xh)), kTol);  // the input is left alone
+    Tensor out3 = poisoned(rows, cols);
+    be->add_rms_norm(x, d, x, w, eps, out3);  // in place
+    EXPECT_LT(max_rel_error(be->to_host(x), to_float(sum)), kTol);
+    EXPECT_LT(max_rel_error(be->to_host(out3), to_float(norm_ref(sum))), kTol);
   }
 }
 

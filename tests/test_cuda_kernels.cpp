@@ -125,10 +125,15 @@ TEST_F(CudaOps, RmsNormAndFusedResidualAdd) {
       gpu->rms_norm(x.g, w.g, 1e-6f, out.g);
       expect_close(out, "rms_norm cols=" + std::to_string(cols));
       auto res = random(rows, cols), delta = random(rows, cols), out2 = poisoned(rows, cols);
-      cpu->add_rms_norm(res.c, delta.c, w.c, 1e-6f, out2.c);
-      gpu->add_rms_norm(res.g, delta.g, w.g, 1e-6f, out2.g);
-      expect_close(res, "add_rms_norm residual");
+      auto res_out = poisoned(rows, cols);
+      cpu->add_rms_norm(res.c, delta.c, res_out.c, w.c, 1e-6f, out2.c);
+      gpu->add_rms_norm(res.g, delta.g, res_out.g, w.g, 1e-6f, out2.g);
+      expect_close(res_out, "add_rms_norm residual into another tensor");
       expect_close(out2, "add_rms_norm out");
+      cpu->add_rms_norm(res.c, delta.c, res.c, w.c, 1e-6f, out2.c);
+      gpu->add_rms_norm(res.g, delta.g, res.g, w.g, 1e-6f, out2.g);
+      expect_close(res, "add_rms_norm residual in place");
+      expect_close(out2, "add_rms_norm out in place");
     }
   }
 }
@@ -217,14 +222,64 @@ TEST_F(CudaOps, FusedMatmulSwigluEqualsTheSeparateOps) {
   }
 }
 
+// Products that normalize their own input rows (a few rows; more rows take the two steps).
+TEST_F(CudaOps, NormMatmulEqualsTheSeparateOps) {
+  const int64_t shapes[][2] = {{1000, 136}, {6144, 4096}, {4096, 4096}};
+  for (int64_t m : {1, 2, 3, 5, 9}) {
+    for (const auto& s : shapes) {
+      for (bool swiglu : {false, true}) {
+        for (bool with_delta : {false, true}) {
+          const int64_t n = s[0], k = s[1], w_rows = swiglu ? 2 * n : n;
+          if (swiglu && n * k > 1000 * 4096 && m > 3) continue;  // keep the CPU reference quick
+          auto res = random(m, k, 3.0f), delta = random(m, k), norm_w = random(1, k), w = random(w_rows, k, 0.05f);
+          auto b = random(1, w_rows), out = poisoned(m, n), res_out = poisoned(m, k);
+          const std::string what = testing::PrintToString(std::vector<int64_t>{m, n, k, swiglu, with_delta});
+          auto run = [&](Backend& be, Backend& as, const Tensor& r, const Tensor& d, Tensor& ro, const Tensor& nw,
+                         const Tensor& wt, const Tensor& bias, Tensor& o) {
+            ResidualNorm rn{&r, with_delta ? &d : nullptr, with_delta ? &ro : nullptr, &nw, 1e-6f};
+            Tensor h = be.alloc(m, k), gu = be.alloc(m, w_rows);
+            if (&as == &be) be.norm_matmul(rn, h, wt, &bias, o, swiglu ? &gu : nullptr);
+            else be.Backend::norm_matmul(rn, h, wt, &bias, o, swiglu ? &gu : nullptr);
+          };
+          run(*gpu, *gpu, res.g, delta.g, res_out.g, norm_w.g, w.g, b.g, out.g);
+          Tensor out2 = gpu->alloc(m, n), res_out2 = gpu->alloc(m, k);
+          run(*gpu, *cpu, res.g, delta.g, res_out2, norm_w.g, w.g, b.g, out2);  // the separate ops
+          run(*cpu, *cpu, res.c, delta.c, res_out.c, norm_w.c, w.c, b.c, out.c);
+          EXPECT_EQ(gpu->to_host(out.g), gpu->to_host(out2)) << what;
+          expect_close(out, what);
+          if (with_delta) {
+            EXPECT_EQ(gpu->to_host(res_out.g), gpu->to_host(res_out2)) << what;
+            expect_close(res_out, what + " residual");
+          }
+          expect_close(res, what + " input untouched");
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CudaOps, ArgmaxIsExactWithTiesToTheLowestIndex) {
-  for (int64_t cols : {5, 8192, 151936}) {
+  // Rows are split over several blocks: ties across blocks, a constant row, rows that are not
+  // 16-byte aligned (a column slice) and repeated calls (the blocks' counters are reused).
+  for (int64_t cols : {5, 4099, 8192, 151936}) {
     auto x = random(23, cols);
     std::vector<float> host = x.host;
     host[3 * cols + cols / 2] = host[3 * cols + cols / 3] = 100.0f;  // a tie in row 3
+    for (int64_t c = 0; c < cols; ++c) host[5 * cols + c] = 0.25f;
     x.c = cpu->upload_host(host.data(), 23, cols);
     x.g = gpu->upload_host(host.data(), 23, cols);
-    EXPECT_EQ(gpu->argmax_rows(x.g), cpu->argmax_rows(x.c)) << "cols=" << cols;
+    const auto expected = cpu->argmax_rows(x.c);
+    EXPECT_EQ(expected[3], cols / 3);
+    EXPECT_EQ(expected[5], 0);
+    for (int rep = 0; rep < 2; ++rep) EXPECT_EQ(gpu->argmax_rows(x.g), expected) << "cols=" << cols;
+    for (int64_t r : {1, 2, 4}) {  // fewer rows after more (a decode step after a verification)
+      const auto part = gpu->argmax_rows(x.g.slice_rows(0, r));
+      EXPECT_EQ(part, std::vector<int32_t>(expected.begin(), expected.begin() + r)) << "cols=" << cols;
+    }
+    if (cols > 3) {
+      EXPECT_EQ(gpu->argmax_rows(x.g.slice_cols(3, cols - 3)), cpu->argmax_rows(x.c.slice_cols(3, cols - 3)))
+          << "cols=" << cols << " from column 3";
+    }
   }
 }
 

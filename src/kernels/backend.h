@@ -40,6 +40,17 @@ struct AttentionParams {
   int page_size = 0;
 };
 
+// The normalized input of a layer's product: with delta, residual_out = residual + delta and
+// h = rmsnorm(residual_out) * weight (residual_out must not be residual: a fused product reads
+// one while it writes the other); without, h = rmsnorm(residual) * weight.
+struct ResidualNorm {
+  const Tensor* residual = nullptr;
+  const Tensor* delta = nullptr;
+  Tensor* residual_out = nullptr;
+  const Tensor* weight = nullptr;
+  float eps = 0.0f;
+};
+
 // Shape of an upload: checkpoint tensors stacked along rows (2-D, same column
 // count) or 1-D tensors concatenated into one row. Throws Error naming the
 // tensors when they cannot be stacked.
@@ -88,9 +99,9 @@ class Backend {
   virtual void matmul(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) = 0;
   // out = rmsnorm(x) * weight, per row
   virtual void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) = 0;
-  // residual += delta; out = rmsnorm(residual) * weight
-  virtual void add_rms_norm(Tensor& residual, const Tensor& delta, const Tensor& weight, float eps,
-                            Tensor& out) = 0;
+  // residual_out = residual + delta; out = rmsnorm(residual_out) * weight (residual_out may be residual)
+  virtual void add_rms_norm(const Tensor& residual, const Tensor& delta, Tensor& residual_out, const Tensor& weight,
+                            float eps, Tensor& out) = 0;
   // In place on x [rows, n_heads*head_dim]: optional per-head RMSNorm (norm_weight
   // may be null), then rotate-half RoPE with angle position * inv_freq[i].
   virtual void head_norm_rope(Tensor& x, int n_heads, int head_dim, const Tensor* norm_weight, float eps,
@@ -102,6 +113,19 @@ class Backend {
   virtual void matmul_swiglu(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& gate_up, Tensor& out) {
     matmul(x, w, bias, gate_up);
     swiglu(gate_up, out);
+  }
+  // A product whose input is normalized from the residual stream: h = norm_in(n) (below), then
+  // out = h * w^T + bias, or, with gate_up scratch, out = the MLP's first half (matmul_swiglu).
+  // A backend may fuse the steps (then h is not written); the result must be bit-identical.
+  virtual void norm_matmul(const ResidualNorm& n, Tensor& h, const Tensor& w, const Tensor* bias, Tensor& out,
+                           Tensor* gate_up = nullptr) {
+    norm_in(n, h);
+    if (gate_up) matmul_swiglu(h, w, bias, *gate_up, out);
+    else matmul(h, w, bias, out);
+  }
+  void norm_in(const ResidualNorm& n, Tensor& h) {
+    if (n.delta) add_rms_norm(*n.residual, *n.delta, *n.residual_out, *n.weight, n.eps, h);
+    else rms_norm(*n.residual, *n.weight, n.eps, h);
   }
   // cache rows slots[r] <- k[r], v[r]
   virtual void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,

@@ -1,5 +1,7 @@
 #include "model/decoder_layers.h"
 
+#include <utility>
+
 #include "util/error.h"
 
 namespace dflash {
@@ -44,6 +46,7 @@ static const Tensor* opt(const Tensor& t) { return t.empty() ? nullptr : &t; }
 Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
                           const std::vector<float>& inv_freq, const Tensor& final_norm, Tensor& x,
                           const StackInputs& in) {
+  check(!layers.empty(), "a decoder stack needs at least one layer");
   const int64_t n = x.rows, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   Tensor h = be.alloc(n, c.n_embd);
   Tensor qkv = be.alloc(n, q_dim + 2 * kv_dim);
@@ -51,31 +54,43 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   Tensor delta = be.alloc(n, c.n_embd);
   Tensor gate_up = be.alloc(n, 2 * int64_t{c.n_ff});
   Tensor act = be.alloc(n, c.n_ff);
+  // The residual stream alternates between x and x2: a product that normalizes its own input
+  // reads one while it stores residual + delta to the other.
+  Tensor x2 = be.alloc(n, c.n_embd);
+  Tensor* cur = &x;
+  Tensor* next = &x2;
   std::vector<int32_t> all_rows(static_cast<size_t>(n));  // for layer-output capture
   for (int64_t r = 0; r < n; ++r) all_rows[r] = static_cast<int32_t>(r);
-  be.rms_norm(x, layers[0].attn_norm, c.rms_norm_eps, h);
+  auto capture = [&](size_t l, const Tensor& out) {  // layer l's output
+    if (!in.capture_layers) return;
+    for (size_t k_idx = 0; k_idx < in.capture_layers->size(); ++k_idx) {
+      if ((*in.capture_layers)[k_idx] != static_cast<int>(l)) continue;
+      Tensor dst = in.captured->slice_cols(static_cast<int64_t>(k_idx) * c.n_embd, c.n_embd);
+      be.gather_rows(out, all_rows, dst);
+    }
+  };
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
-    be.matmul(h, w.qkv, opt(w.qkv_bias), qkv);
+    // delta holds the previous layer's MLP output, not yet added to the stream.
+    ResidualNorm attn_in{cur, l > 0 ? &delta : nullptr, l > 0 ? next : nullptr, &w.attn_norm, c.rms_norm_eps};
+    be.norm_matmul(attn_in, h, w.qkv, opt(w.qkv_bias), qkv);
+    if (l > 0) {
+      std::swap(cur, next);
+      capture(l - 1, *cur);
+    }
     be.qkv_rope_kv_write(qkv, c.n_heads, c.n_kv_heads, c.head_dim, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps,
                          *in.positions, inv_freq, in.cache->k[l], in.cache->v[l], *in.kv_slots);
     const Tensor q = qkv.slice_cols(0, q_dim);
     AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
     be.attention(q, in.cache->k[l], in.cache->v[l], *in.segments, *in.positions, ap, attn);
     be.matmul(attn, w.o, opt(w.o_bias), delta);
-    be.add_rms_norm(x, delta, w.mlp_norm, c.rms_norm_eps, h);
-    be.matmul_swiglu(h, w.gate_up, opt(w.gate_up_bias), gate_up, act);
+    ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps};
+    be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), act, &gate_up);
+    std::swap(cur, next);
     be.matmul(act, w.down, opt(w.down_bias), delta);
-    const Tensor& next_norm = l + 1 < layers.size() ? layers[l + 1].attn_norm : final_norm;
-    be.add_rms_norm(x, delta, next_norm, c.rms_norm_eps, h);  // x is now layer l's output
-    if (in.capture_layers) {
-      for (size_t k_idx = 0; k_idx < in.capture_layers->size(); ++k_idx) {
-        if ((*in.capture_layers)[k_idx] != static_cast<int>(l)) continue;
-        Tensor dst = in.captured->slice_cols(static_cast<int64_t>(k_idx) * c.n_embd, c.n_embd);
-        be.gather_rows(x, all_rows, dst);
-      }
-    }
   }
+  be.add_rms_norm(*cur, delta, x, final_norm, c.rms_norm_eps, h);  // x is the last layer's output
+  capture(layers.size() - 1, x);
   return h;
 }
 

@@ -147,13 +147,15 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < x.rows; ++r) rms_norm_row(x.row_f32(r), weight.f32(), eps, x.cols, out.row_f32(r));
   }
 
-  void add_rms_norm(Tensor& residual, const Tensor& delta, const Tensor& weight, float eps, Tensor& out) override {
+  void add_rms_norm(const Tensor& residual, const Tensor& delta, Tensor& residual_out, const Tensor& weight, float eps,
+                    Tensor& out) override {
 #pragma omp parallel for schedule(static) if (residual.rows > 8)
     for (int64_t r = 0; r < residual.rows; ++r) {
-      float* res = residual.row_f32(r);
+      const float* res = residual.row_f32(r);
       const float* d = delta.row_f32(r);
-      for (int64_t i = 0; i < residual.cols; ++i) res[i] += d[i];
-      rms_norm_row(res, weight.f32(), eps, residual.cols, out.row_f32(r));
+      float* res_out = residual_out.row_f32(r);
+      for (int64_t i = 0; i < residual.cols; ++i) res_out[i] = res[i] + d[i];
+      rms_norm_row(res_out, weight.f32(), eps, residual.cols, out.row_f32(r));
     }
   }
 

@@ -101,11 +101,15 @@ class CudaBackend final : public Backend {
     ring_ = std::make_shared<StagingRing>(s_, size_t{32} << 20, true);
     active_ring_ = ring_.get();
     CUDA_CHECK(cudaMallocHost(&argmax_host_, sizeof(int32_t) * kArgmaxCap));
+    const size_t argmax_bytes = sizeof(int32_t) * kArgmaxCap + cuda::argmax_workspace_bytes();
+    CUDA_CHECK(cudaMalloc(&argmax_out_, argmax_bytes));
+    CUDA_CHECK(cudaMemset(argmax_out_, 0, argmax_bytes));  // the workspace's row counters start at zero
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(s_);
     for (auto& [k, p] : inv_freq_) cudaFree(p);
     cudaFreeHost(argmax_host_);
+    cudaFree(argmax_out_);
   }
 
   bool supports_graphs() const override { return true; }
@@ -322,13 +326,45 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH();
   }
 
+  // A few rows (decode): the product normalizes its own input, one kernel instead of two.
+  void norm_matmul(const ResidualNorm& n, Tensor& h, const Tensor& w, const Tensor* bias, Tensor& out,
+                   Tensor* gate_up) override {
+    static const bool off = std::getenv("DFLASH_FUSED_NORM") && std::string(std::getenv("DFLASH_FUSED_NORM")) == "0";
+    const Tensor& r = *n.residual;
+    const bool bf = r.dtype == DType::BF16 && w.dtype == DType::BF16 && n.weight->dtype == DType::BF16 &&
+                    (!n.delta || (n.delta->dtype == DType::BF16 && n.residual_out->dtype == DType::BF16));
+    const bool shapes = r.cols == w.cols && out.rows == r.rows && (!n.delta || (n.delta->rows == r.rows &&
+                        n.delta->cols == r.cols && n.residual_out->rows == r.rows && n.residual_out->cols == r.cols)) &&
+                        (gate_up ? w.rows == 2 * out.cols : w.rows == out.cols);
+    cuda::RowNorm rn;
+    if (bf && shapes && !off) {
+      rn.residual = static_cast<const bf16*>(r.data);
+      rn.residual_stride = r.stride;
+      if (n.delta) {
+        rn.delta = static_cast<const bf16*>(n.delta->data);
+        rn.delta_stride = n.delta->stride;
+        rn.residual_out = static_cast<bf16*>(n.residual_out->data);
+        rn.residual_out_stride = n.residual_out->stride;
+      }
+      rn.weight = static_cast<const bf16*>(n.weight->data);
+      rn.eps = n.eps;
+    }
+    if (!rn.residual || !cuda::skinny_gemm_norm_supported(rn, r.rows, mat(w), gate_up, props_.multiProcessorCount))
+      return Backend::norm_matmul(n, h, w, bias, out, gate_up);
+    cuda::launch_skinny_gemm_norm(rn, r.rows, mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
+                                  gate_up != nullptr, props_.multiProcessorCount, s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
   void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) override {
     cuda::launch_rms_norm(mat(x), static_cast<const bf16*>(weight.data), eps, mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
-  void add_rms_norm(Tensor& residual, const Tensor& delta, const Tensor& weight, float eps, Tensor& out) override {
-    cuda::launch_add_rms_norm(mat(residual), mat(delta), static_cast<const bf16*>(weight.data), eps, mat(out), s_);
+  void add_rms_norm(const Tensor& residual, const Tensor& delta, Tensor& residual_out, const Tensor& weight, float eps,
+                    Tensor& out) override {
+    cuda::launch_add_rms_norm(mat(residual), mat(delta), mat(residual_out), static_cast<const bf16*>(weight.data), eps,
+                              mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -417,10 +453,10 @@ class CudaBackend final : public Backend {
     for (int64_t r0 = 0; r0 < x.rows; r0 += kArgmaxCap) {
       const int64_t n = std::min<int64_t>(kArgmaxCap, x.rows - r0);
       Tensor part = x.slice_rows(r0, n);
-      auto* d_out = static_cast<int32_t*>(workspace_for(0, /*argmax=*/true));
-      cuda::launch_argmax(mat(part), d_out, s_);
+      check(!capturing_, "cuda backend: argmax synchronizes and cannot be captured");
+      cuda::launch_argmax(mat(part), argmax_out_, argmax_out_ + kArgmaxCap, s_);
       CUDA_CHECK_LAUNCH();
-      CUDA_CHECK(cudaMemcpyAsync(argmax_host_, d_out, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s_));
+      CUDA_CHECK(cudaMemcpyAsync(argmax_host_, argmax_out_, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s_));
       CUDA_CHECK(cudaStreamSynchronize(s_));
       result.insert(result.end(), argmax_host_, argmax_host_ + n);
     }
@@ -428,7 +464,7 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  static constexpr int64_t kArgmaxCap = 4096;
+  static constexpr int64_t kArgmaxCap = cuda::kArgmaxMaxRows;
 
   const int32_t* stage(const std::vector<int32_t>& v) {
     return static_cast<const int32_t*>(stage_bytes(v.data(), v.size() * sizeof(int32_t)));
@@ -473,9 +509,9 @@ class CudaBackend final : public Backend {
 
   // Grow-only device buffers; previous contents are dead once the stream moves on.
   // Inside a capture, a fresh piece of the arena (graphs keep their own addresses).
-  void* workspace_for(int64_t bytes, bool argmax = false) {
-    Tensor& buf = argmax ? argmax_buf_ : attn_ws_;
-    const int64_t need = argmax ? kArgmaxCap * 4 : bytes;
+  void* workspace_for(int64_t bytes) {
+    Tensor& buf = attn_ws_;
+    const int64_t need = bytes;
     if (need == 0) return nullptr;
     if (capturing_) {  // one piece per capture, grown when a later call needs more
       if (capture_ws_bytes_ < need) {
@@ -515,8 +551,9 @@ class CudaBackend final : public Backend {
   void* capture_ws_ = nullptr;
   int64_t capture_ws_bytes_ = 0;
   std::map<std::vector<float>, float*> inv_freq_;
-  Tensor attn_ws_, argmax_buf_;
+  Tensor attn_ws_;
   int32_t* argmax_host_ = nullptr;
+  int32_t* argmax_out_ = nullptr;  // kArgmaxCap results, then the argmax workspace
 };
 
 }  // namespace

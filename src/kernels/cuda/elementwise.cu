@@ -3,12 +3,13 @@
 // outputs track transformers running the same checkpoint in bf16.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cfloat>
-#include <initializer_list>
 
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/row_norm.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -18,21 +19,6 @@ using bf = __nv_bfloat16;
 __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*reinterpret_cast<const bf*>(p)); }
 __device__ __forceinline__ void st(bf16* p, float v) { *reinterpret_cast<bf*>(p) = __float2bfloat16(v); }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024).
-__device__ float block_sum(float v) {
-  __shared__ float partial[32];
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  const int n_warps = blockDim.x / 32;
-  v = lane < n_warps ? partial[lane] : 0.0f;
-  v = warp_sum(v);
-  __syncthreads();  // partial[] may be reused by the next call
-  return v;
-}
-
-constexpr int kRowThreads = 256;
 
 __global__ void embed_kernel(const bf16* table, int64_t table_stride, const int32_t* ids, int64_t cols, bf16* out,
                              int64_t out_stride) {
@@ -64,103 +50,38 @@ __global__ void rms_norm_kernel(const bf16* x, int64_t x_stride, const bf16* w, 
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * round_bf(ld(xr + i) * scale));
 }
 
-__global__ void add_rms_norm_kernel(bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
-                                    const bf16* w, float eps, int64_t cols, bf16* out, int64_t out_stride) {
+__global__ void add_rms_norm_kernel(const bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
+                                    bf16* res_out, int64_t res_out_stride, const bf16* w, float eps, int64_t cols,
+                                    bf16* out, int64_t out_stride) {
   pdl_begin();
-  bf16* r = res + blockIdx.x * res_stride;
+  const bf16* r = res + blockIdx.x * res_stride;
   const bf16* d = delta + blockIdx.x * delta_stride;
+  bf16* ro = res_out + blockIdx.x * res_out_stride;
   bf16* o = out + blockIdx.x * out_stride;
   float ss = 0.0f;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
     const float v = round_bf(ld(r + i) + ld(d + i));
-    st(r + i, v);
+    st(ro + i, v);
     ss += v * v;
   }
   const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
   // Each thread re-reads only the elements it wrote above.
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * round_bf(ld(r + i) * scale));
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * round_bf(ld(ro + i) * scale));
 }
 
-// The same two norms for rows that fit in registers (cols % 8 == 0, cols <= kRowThreads * 8 *
-// kVecPerThread, 16-byte aligned rows): each thread loads its 8-value pieces of the row before
-// anything is stored, so a row costs one round trip to memory instead of one per element.
-constexpr int kVecPerThread = 4;
-constexpr int64_t kVecMaxCols = int64_t{kRowThreads} * 8 * kVecPerThread;
-
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
-  const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(h2[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 raw;
-  auto* h2 = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h2[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return raw;
-}
-
-// kAdd: residual += delta, then the norm of the new residual (add_rms_norm_kernel); else rms_norm_kernel.
+// The same two norms for rows that fit in registers (norm_row's conditions).
+// kAdd: residual + delta goes to res_out (may be res) and is normalized; else res is.
 template <bool kAdd>
 __global__ void __launch_bounds__(kRowThreads)
-    rms_norm_vec_kernel(bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride, const bf16* w,
-                        float eps, int cols, bf16* out, int64_t out_stride) {
+    rms_norm_vec_kernel(const bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
+                        bf16* res_out, int64_t res_out_stride, const bf16* w, float eps, int cols, bf16* out,
+                        int64_t out_stride) {
   pdl_begin();
-  bf16* r = res + blockIdx.x * res_stride;
-  const bf16* d = kAdd ? delta + blockIdx.x * delta_stride : nullptr;
-  bf16* o = out + blockIdx.x * out_stride;
-  const int n_vec = cols / 8;
-  uint4 xv[kVecPerThread], dv[kVecPerThread], wv[kVecPerThread];
-#pragma unroll
-  for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = threadIdx.x + k * kRowThreads;
-    if (i >= n_vec) continue;
-    xv[k] = *reinterpret_cast<const uint4*>(r + 8 * i);
-    if constexpr (kAdd) dv[k] = *reinterpret_cast<const uint4*>(d + 8 * i);
-    wv[k] = __ldg(reinterpret_cast<const uint4*>(w + 8 * i));
-  }
-  float v[kVecPerThread][8];
-  float ss = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kVecPerThread; ++k) {
-    if (threadIdx.x + k * kRowThreads >= n_vec) continue;
-    unpack8(xv[k], v[k]);
-    if constexpr (kAdd) {
-      float dd[8];
-      unpack8(dv[k], dd);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[k][e] = round_bf(v[k][e] + dd[e]);
-      *reinterpret_cast<uint4*>(r + 8 * (threadIdx.x + k * kRowThreads)) = pack8(v[k]);
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
-  }
-  const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
-#pragma unroll
-  for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = threadIdx.x + k * kRowThreads;
-    if (i >= n_vec) continue;
-    float wf[8], y[8];
-    unpack8(wv[k], wf);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) y[e] = wf[e] * round_bf(v[k][e] * scale);
-    *reinterpret_cast<uint4*>(o + 8 * i) = pack8(y);
-  }
-}
-
-// Rows of `cols` values fit rms_norm_vec_kernel: every row start of every operand 16-byte aligned.
-bool rows_fit_registers(int64_t cols, std::initializer_list<int64_t> strides, std::initializer_list<const void*> ptrs) {
-  if (cols % 8 != 0 || cols > kVecMaxCols) return false;
-  for (int64_t st : strides)
-    if (st % 8 != 0) return false;
-  for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
+  const int64_t r = blockIdx.x;
+  bf16* o = out + r * out_stride;
+  norm_row<kAdd>(res + r * res_stride, kAdd ? delta + r * delta_stride : nullptr,
+                 kAdd ? res_out + r * res_out_stride : nullptr, w, eps, cols,
+                 [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(o + 8 * i) = y; });
 }
 
 // One warp per (row, head); lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ...
@@ -270,29 +191,69 @@ __global__ void kv_write_kernel(const bf16* k, int64_t k_stride, const bf16* v, 
   }
 }
 
-__global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, int32_t* out) {
-  pdl_begin();
-  const bf16* row = x + blockIdx.x * stride;
-  float best = -FLT_MAX;
-  int64_t best_i = cols;  // NaN-only rows fall back to index 0 below
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    const float v = ld(row + i);
-    if (v > best || (v == best && i < best_i)) best = v, best_i = i;
-  }
+// Row r's slice s of the argmax: the block's best (value, lowest index) goes to
+// part[r][s]; the last block of a row to finish (counted in counters[r], which it
+// resets for the next call) reduces the slices. The winner is the row's largest
+// value at its lowest index whatever the order, so the result is deterministic.
+__device__ __forceinline__ void keep_better(float& best, int64_t& best_i, float v, int64_t i) {
+  if (v > best || (v == best && i < best_i)) best = v, best_i = i;
+}
+
+__device__ void block_best(float& best, int64_t& best_i) {
+  __shared__ float sv[32];
+  __shared__ int64_t si[32];
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(kFull, best, o);
     const int64_t oi = __shfl_xor_sync(kFull, best_i, o);
-    if (ov > best || (ov == best && oi < best_i)) best = ov, best_i = oi;
+    keep_better(best, best_i, ov, oi);
   }
-  __shared__ float sv[32];
-  __shared__ int64_t si[32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) sv[warp] = best, si[warp] = best_i;
   __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) keep_better(best, best_i, sv[w], si[w]);
+}
+
+__global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, float* part_v, int64_t* part_i,
+                              unsigned* counters, int32_t* out) {
+  pdl_begin();
+  const int64_t row = blockIdx.y;
+  const int n_slices = gridDim.x;
+  const int64_t per = ((cols + n_slices - 1) / n_slices + 7) / 8 * 8;
+  const int64_t lo = blockIdx.x * per, hi = lo + per < cols ? lo + per : cols;
+  const bf16* r = x + row * stride;
+  const bool vec = reinterpret_cast<uintptr_t>(r) % 16 == 0;  // lo is a multiple of 8
+  float best = -FLT_MAX;
+  int64_t best_i = cols;  // NaN-only rows fall back to index 0 below
+  for (int64_t c = lo + threadIdx.x * 8; c < hi; c += blockDim.x * 8) {
+    if (vec && c + 8 <= hi) {
+      float f[8];
+      unpack8(*reinterpret_cast<const uint4*>(r + c), f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) keep_better(best, best_i, f[e], c + e);
+    } else {
+      for (int64_t i = c; i < c + 8 && i < hi; ++i) keep_better(best, best_i, ld(r + i), i);
+    }
+  }
+  block_best(best, best_i);
+  __shared__ bool last;
   if (threadIdx.x == 0) {
-    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w)
-      if (sv[w] > best || (sv[w] == best && si[w] < best_i)) best = sv[w], best_i = si[w];
-    out[blockIdx.x] = static_cast<int32_t>(best_i < cols ? best_i : 0);
+    part_v[row * n_slices + blockIdx.x] = best;
+    part_i[row * n_slices + blockIdx.x] = best_i;
+    __threadfence();
+    last = atomicAdd(&counters[row], 1u) == static_cast<unsigned>(n_slices - 1);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  best = -FLT_MAX;
+  best_i = cols;
+  for (int sl = threadIdx.x; sl < n_slices; sl += blockDim.x)
+    keep_better(best, best_i, __ldcg(part_v + row * n_slices + sl), __ldcg(part_i + row * n_slices + sl));
+  block_best(best, best_i);
+  if (threadIdx.x == 0) {
+    out[row] = static_cast<int32_t>(best_i < cols ? best_i : 0);
+    counters[row] = 0;
   }
 }
 
@@ -347,22 +308,25 @@ void launch_rms_norm(const Mat& x, const bf16* w, float eps, Mat out, cudaStream
   if (x.rows == 0) return;
   if (rows_fit_registers(x.cols, {x.stride, out.stride}, {x.data, w, out.data})) {
     launch(rms_norm_vec_kernel<false>, x.rows, kRowThreads, s, x.data, x.stride, static_cast<const bf16*>(nullptr),
-           int64_t{0}, w, eps, static_cast<int>(x.cols), out.data, out.stride);
+           int64_t{0}, static_cast<bf16*>(nullptr), int64_t{0}, w, eps, static_cast<int>(x.cols), out.data,
+           out.stride);
     return;
   }
   launch(rms_norm_kernel, x.rows, kRowThreads, s, x.data, x.stride, w, eps, x.cols, out.data, out.stride);
 }
 
-void launch_add_rms_norm(Mat residual, const Mat& delta, const bf16* w, float eps, Mat out, cudaStream_t s) {
+void launch_add_rms_norm(const Mat& residual, const Mat& delta, Mat residual_out, const bf16* w, float eps, Mat out,
+                         cudaStream_t s) {
   if (residual.rows == 0) return;
-  if (rows_fit_registers(residual.cols, {residual.stride, delta.stride, out.stride},
-                         {residual.data, delta.data, w, out.data})) {
+  if (rows_fit_registers(residual.cols, {residual.stride, delta.stride, residual_out.stride, out.stride},
+                         {residual.data, delta.data, residual_out.data, w, out.data})) {
     launch(rms_norm_vec_kernel<true>, residual.rows, kRowThreads, s, residual.data, residual.stride, delta.data,
-           delta.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride);
+           delta.stride, residual_out.data, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data,
+           out.stride);
     return;
   }
   launch(add_rms_norm_kernel, residual.rows, kRowThreads, s, residual.data, residual.stride, delta.data,
-         delta.stride, w, eps, residual.cols, out.data, out.stride);
+         delta.stride, residual_out.data, residual_out.stride, w, eps, residual.cols, out.data, out.stride);
 }
 
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
@@ -402,9 +366,20 @@ void launch_kv_write(const Mat& k, const Mat& v, Mat k_cache, Mat v_cache, const
          v_cache.data, v_cache.stride, slots);
 }
 
-void launch_argmax(const Mat& x, int32_t* out, cudaStream_t s) {
+int64_t argmax_workspace_bytes() {
+  return kArgmaxMaxRows * (sizeof(unsigned) + kArgmaxSlices * (sizeof(int64_t) + sizeof(float)));
+}
+
+void launch_argmax(const Mat& x, int32_t* out, void* workspace, cudaStream_t s) {
   if (x.rows == 0) return;
-  launch(argmax_kernel, x.rows, 1024, s, x.data, x.stride, x.cols, out);
+  // The same layout for every call: the row counters stay where the last call left them (zero).
+  auto* counters = static_cast<unsigned*>(workspace);
+  auto* part_i = reinterpret_cast<int64_t*>(counters + kArgmaxMaxRows);
+  auto* part_v = reinterpret_cast<float*>(part_i + kArgmaxMaxRows * kArgmaxSlices);
+  // Rows of a few thousand values need no more than one block each.
+  const int slices = static_cast<int>(std::min<int64_t>(kArgmaxSlices, (x.cols + 2047) / 2048));
+  launch(argmax_kernel, dim3(slices, static_cast<unsigned>(x.rows)), 256, s, x.data, x.stride, x.cols, part_v,
+         part_i, counters, out);
 }
 
 void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s) {

@@ -25,8 +25,10 @@ void set_pdl_enabled(bool on);
 void launch_embed(const Mat& table, const int32_t* ids, Mat out, cudaStream_t s);
 // out = rmsnorm(x) * w  (x may alias out)
 void launch_rms_norm(const Mat& x, const bf16* w, float eps, Mat out, cudaStream_t s);
-// residual += delta (rounded to bf16); out = rmsnorm(residual) * w
-void launch_add_rms_norm(Mat residual, const Mat& delta, const bf16* w, float eps, Mat out, cudaStream_t s);
+// residual_out = residual + delta (rounded to bf16; residual_out may be residual);
+// out = rmsnorm(residual_out) * w
+void launch_add_rms_norm(const Mat& residual, const Mat& delta, Mat residual_out, const bf16* w, float eps, Mat out,
+                         cudaStream_t s);
 // In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE.
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
                            const float* inv_freq, cudaStream_t s);
@@ -42,8 +44,13 @@ void launch_swiglu(const Mat& gate_up, Mat out, cudaStream_t s);
 void launch_kv_write(const Mat& k, const Mat& v, Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s);
 // out[i] = src[rows[i]]
 void launch_gather_rows(const Mat& src, const int32_t* rows, Mat out, cudaStream_t s);
-// out[r] = index of the largest element of row r (lowest index on ties)
-void launch_argmax(const Mat& x, int32_t* out, cudaStream_t s);
+// out[r] = index of the largest element of row r (lowest index on ties), for at most
+// kArgmaxMaxRows rows. A row is split over up to kArgmaxSlices blocks; `workspace`
+// (argmax_workspace_bytes()) must be zero when first used and is left zero again.
+constexpr int kArgmaxSlices = 32;
+constexpr int64_t kArgmaxMaxRows = 4096;
+int64_t argmax_workspace_bytes();
+void launch_argmax(const Mat& x, int32_t* out, void* workspace, cudaStream_t s);
 // out += bias (broadcast over rows)
 void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s);
 // dst[i] = bf16(src[i]) for n contiguous floats
@@ -61,6 +68,26 @@ void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, i
 // out = silu(g) * u with [g | u] = x * w^T (+ bias), w = [gate; up] of 2 * out.cols rows: bit-identical
 // to launch_skinny_gemm followed by launch_swiglu, without the intermediate.
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s);
+
+// A normalizing product's input rows: rmsnorm(residual + delta) * weight, and block 0 stores
+// residual + delta to residual_out (not residual: the other blocks read it); without delta,
+// rmsnorm(residual) * weight. The rows are as wide as the weight's columns.
+struct RowNorm {
+  const bf16* residual = nullptr;
+  int64_t residual_stride = 0;
+  const bf16* delta = nullptr;
+  int64_t delta_stride = 0;
+  bf16* residual_out = nullptr;
+  int64_t residual_out_stride = 0;
+  const bf16* weight = nullptr;
+  float eps = 0.0f;
+};
+// out = rmsnorm rows (as launch_rms_norm / launch_add_rms_norm compute them, bit for bit) * w^T
+// (+ bias), or with swiglu launch_skinny_gemm_swiglu's output, for a few rows whose
+// normalized values fit the block's shared memory.
+bool skinny_gemm_norm_supported(const RowNorm& n, int64_t rows, const Mat& w, bool swiglu, int n_sms);
+void launch_skinny_gemm_norm(const RowNorm& n, int64_t rows, const Mat& w, const bf16* bias, Mat out, bool swiglu,
+                             int n_sms, cudaStream_t s);
 
 // One query row's view of the paged cache.
 struct AttnRow {

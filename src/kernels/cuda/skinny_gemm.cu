@@ -11,11 +11,18 @@
 // Reduction order: warp j of the block sums chunks j, j+8, j+16, ... in
 // increasing order; the 8 warp partials are then added in warp order. This
 // depends only on K, so a row's result is bit-identical for any M.
+//
+// The normalizing form (kNorm, up to a few rows) takes its input from the
+// residual stream instead: each block computes rmsnorm(residual + delta) of
+// the rows into shared memory with the RMSNorm kernels' own code (row_norm.cuh),
+// block 0 stores residual + delta, and the ring carries weights only. This
+// saves a kernel and its wait between the products of a layer.
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/row_norm.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -26,30 +33,43 @@ constexpr int kChunk = 32;  // k per chunk (4 threads x 8 elements)
 // Output features of one block: RT tiles of 16, or 16 when a gate tile pairs with an up tile.
 __host__ __device__ constexpr int features_per_block(int rt, bool swiglu) { return swiglu ? 16 : rt * 16; }
 
-// One chunk's operands in shared memory: RT weight tiles of 16 rows and MT token tiles of 8
-// rows, 32 k (4 pieces of 16 bytes) per row.
-template <int MT, int RT>
+// One chunk's operands in shared memory: RT weight tiles of 16 rows and XT token tiles of 8
+// rows, 32 k (4 pieces of 16 bytes) per row (XT = 0: the tokens are in shared memory already).
+template <int XT, int RT>
 struct Stage {
   uint4 w[RT][16][4];
-  uint4 x[MT][8][4];
+  uint4 x[XT][8][4];
+};
+template <int RT>
+struct Stage<0, RT> {
+  uint4 w[RT][16][4];
 };
 
-// Stages per warp: as many chunks in flight as 12 KiB of shared memory per warp holds (96 KiB a
-// block, two blocks per SM), at least 2, at most 8.
-template <int MT, int RT>
-constexpr int stages() {
-  constexpr int n = 12288 / sizeof(Stage<MT, RT>);
+// Stages per warp: as many chunks in flight as `budget` bytes of shared memory per warp hold,
+// at least 2, at most 8. 12 KiB a warp is 96 KiB a block, two blocks per SM; the normalizing
+// form keeps 10 KiB a warp so that its rows fit beside the ring.
+template <int XT, int RT>
+constexpr int stages(int budget) {
+  const int n = budget / static_cast<int>(sizeof(Stage<XT, RT>));
   return n < 2 ? 2 : n > 8 ? 8 : n;
 }
-template <int MT, int RT>
-constexpr int kStages = stages<MT, RT>();
+template <int MT, int RT, bool kNorm>
+constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(12288);
+template <int MT, int RT, bool kNorm>
+using StageOf = Stage<kNorm ? 0 : MT, RT>;
 
-template <int MT, int RT>
+// Bytes of the ring (reused by the cross-warp reduction); the normalized rows follow them.
+template <int MT, int RT, bool kNorm>
 constexpr size_t smem_bytes() {
-  constexpr size_t ring = sizeof(Stage<MT, RT>) * kStages<MT, RT> * kWarps;
+  constexpr size_t ring = sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm> * kWarps;
   constexpr size_t red = sizeof(float) * kWarps * RT * MT * 4 * 32;
   return ring > red ? ring : red;
 }
+
+// Shared memory a block may use so that two blocks fit an SM (228 KiB, 1 KiB reserved a block).
+constexpr size_t kMaxBlockSmem = 112 * 1024;
+// Normalized rows in shared memory are padded by 16 bytes (fewer bank conflicts).
+constexpr int64_t norm_row_elems(int64_t k) { return k + 8; }
 
 // MT: 8-token tiles (M <= 8 * MT); RT: 16-row weight tiles per block.
 // kSwiglu (RT == 2): w = [gate; up] with N rows each; tile 0 takes gate rows, tile 1 the same
@@ -58,18 +78,23 @@ constexpr size_t smem_bytes() {
 // Each warp streams its chunks through a ring of kStages stages in shared memory with
 // cp.async, so that many chunks are in flight whatever the register budget; the first stages'
 // weights are requested before waiting on the previous kernel (they need nothing from it).
-template <int MT, int RT, bool kSwiglu>
+// kNorm: x is unused; the rows come from `norm` (see RowNorm), K == the rows' width.
+template <int MT, int RT, bool kSwiglu, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
-                                                                  bf16* __restrict__ out, int64_t out_stride) {
+                                                                  bf16* __restrict__ out, int64_t out_stride,
+                                                                  RowNorm norm) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
-  constexpr int S = kStages<MT, RT>;
+  static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
+  constexpr int S = kStages<MT, RT, kNorm>;
+  using St = StageOf<MT, RT, kNorm>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * features_per_block(RT, kSwiglu);
-  Stage<MT, RT>* ring = reinterpret_cast<Stage<MT, RT>*>(smem_raw) + warp * S;
+  St* ring = reinterpret_cast<St*>(smem_raw) + warp * S;
+  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm>());  // kNorm: [M][norm_row_elems(K)]
 
   const int n_chunks = (K + kChunk - 1) / kChunk;
   const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
@@ -79,7 +104,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   auto issue_w = [&](int i) {
     if (i >= n_mine) return;
     const int k0 = (warp + i * kWarps) * kChunk;
-    Stage<MT, RT>& st = ring[i % S];
+    St& st = ring[i % S];
 #pragma unroll
     for (int j = 0; j < 2 * RT; ++j) {
       const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
@@ -91,14 +116,16 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     }
   };
   auto issue_x = [&](int i) {
-    if (i >= n_mine) return;
-    const int k = (warp + i * kWarps) * kChunk + q * 8;
-    Stage<MT, RT>& st = ring[i % S];
+    if constexpr (!kNorm) {
+      if (i >= n_mine) return;
+      const int k = (warp + i * kWarps) * kChunk + q * 8;
+      St& st = ring[i % S];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int t = mt * 8 + g;
-      const bool ok = t < M && k < K;
-      cp_async16(&st.x[mt][g][q], ok ? x + t * x_stride + k : x, ok);
+      for (int mt = 0; mt < MT; ++mt) {
+        const int t = mt * 8 + g;
+        const bool ok = t < M && k < K;
+        cp_async16(&st.x[mt][g][q], ok ? x + t * x_stride + k : x, ok);
+      }
     }
   };
 #pragma unroll
@@ -107,10 +134,26 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     cp_async_commit();
   }
   pdl_begin();
+  if constexpr (kNorm) {
+    // The weights above are on their way while the rows are normalized.
+    const int64_t rs = norm_row_elems(K);
+    for (int t = 0; t < M; ++t) {
+      auto store = [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(rows + t * rs + 8 * i) = y; };
+      const bf16* res = norm.residual + t * norm.residual_stride;
+      if (norm.delta) {
+        bf16* res_out = blockIdx.x == 0 ? norm.residual_out + t * norm.residual_out_stride : nullptr;
+        norm_row<true>(res, norm.delta + t * norm.delta_stride, res_out, norm.weight, norm.eps, K, store);
+      } else {
+        norm_row<false>(res, nullptr, nullptr, norm.weight, norm.eps, K, store);
+      }
+    }
+    __syncthreads();
+  } else {
 #pragma unroll
-  for (int i = 0; i < S; ++i) {
-    issue_x(i);
-    cp_async_commit();
+    for (int i = 0; i < S; ++i) {
+      issue_x(i);
+      cp_async_commit();
+    }
   }
 
   float acc[RT][MT][4];
@@ -125,12 +168,21 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   for (int i = 0; i < n_mine; ++i) {
     cp_async_wait<S - 1>();  // chunk i has landed (later groups may still be in flight)
     __syncwarp();
-    const Stage<MT, RT>& st = ring[i % S];
+    const St& st = ring[i % S];
     uint4 wv[RT][2], xv[MT];
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) wv[rt][0] = st.w[rt][g][q], wv[rt][1] = st.w[rt][g + 8][q];
+    if constexpr (kNorm) {
+      const int k = (warp + i * kWarps) * kChunk + q * 8;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
+      for (int mt = 0; mt < MT; ++mt) {
+        const int t = mt * 8 + g;
+        xv[mt] = t < M && k < K ? *reinterpret_cast<const uint4*>(rows + t * norm_row_elems(K) + k) : uint4{};
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
+    }
     __syncwarp();  // every lane has read the stage before it is refilled
     issue_w(i + S);
     issue_x(i + S);
@@ -183,32 +235,42 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   }
 }
 
-template <int MT, int RT, bool kSwiglu>
-void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
-  constexpr size_t kSmem = smem_bytes<MT, RT>();
+// Dynamic shared memory of a launch: the ring, and for kNorm the normalized rows.
+template <int MT, int RT, bool kNorm>
+size_t launch_smem_bytes(int M, int64_t K) {
+  return smem_bytes<MT, RT, kNorm>() + (kNorm ? sizeof(bf16) * M * norm_row_elems(K) : 0);
+}
+
+template <int MT, int RT, bool kSwiglu, bool kNorm = false>
+void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s) {
   static const bool configured = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kSmem)));
+    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxBlockSmem)));
     return true;
   }();
   (void)configured;
   const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);
   const unsigned blocks = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
-  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu>, blocks, kWarps * 32, kSmem, s, x.data, x.stride,
-         static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias, out.data,
-         out.stride);
+  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm>, blocks, kWarps * 32,
+              launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols), s, x.data, x.stride,
+              static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
+              out.data, out.stride, norm);
 }
 
 template <int RT, bool kSwiglu = false>
 void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
+  const RowNorm none{};
   switch ((x.rows + 7) / 8) {
-    case 1: return launch_tiles<1, RT, kSwiglu>(x, w, bias, out, s);
-    case 2: return launch_tiles<2, RT, kSwiglu>(x, w, bias, out, s);
-    case 3: return launch_tiles<3, RT, kSwiglu>(x, w, bias, out, s);
-    default: return launch_tiles<4, RT, kSwiglu>(x, w, bias, out, s);
+    case 1: return launch_tiles<1, RT, kSwiglu>(x, w, bias, out, none, s);
+    case 2: return launch_tiles<2, RT, kSwiglu>(x, w, bias, out, none, s);
+    case 3: return launch_tiles<3, RT, kSwiglu>(x, w, bias, out, none, s);
+    default: return launch_tiles<4, RT, kSwiglu>(x, w, bias, out, none, s);
   }
 }
+
+// Row tiles per block of a plain product: two only when that still leaves two blocks per SM.
+bool two_row_tiles(const Mat& w, int n_sms) { return w.rows >= int64_t{32} * 2 * n_sms; }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -220,13 +282,31 @@ bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out) {
 }
 
 void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s) {
-  // Two row tiles per block only when that still leaves two blocks per SM.
-  if (w.rows >= int64_t{32} * 2 * n_sms) launch_rt<2>(x, w, bias, out, s);
+  if (two_row_tiles(w, n_sms)) launch_rt<2>(x, w, bias, out, s);
   else launch_rt<1>(x, w, bias, out, s);
 }
 
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
   launch_rt<2, true>(x, w, bias, out, s);
+}
+
+bool skinny_gemm_norm_supported(const RowNorm& n, int64_t rows, const Mat& w, bool swiglu, int n_sms) {
+  if (rows < 1 || rows > 8 || w.cols % 8 != 0 || w.stride % 8 != 0 || !aligned16(w.data)) return false;
+  if (!rows_fit_registers(w.cols, {n.residual_stride, n.delta ? n.delta_stride : 0, n.delta ? n.residual_out_stride : 0},
+                          {n.residual, n.delta, n.residual_out, n.weight}))
+    return false;
+  if (n.delta && (!n.residual_out || n.residual_out == n.residual)) return false;  // other blocks still read it
+  const size_t smem = swiglu || two_row_tiles(w, n_sms) ? launch_smem_bytes<1, 2, true>(static_cast<int>(rows), w.cols)
+                                                        : launch_smem_bytes<1, 1, true>(static_cast<int>(rows), w.cols);
+  return smem <= kMaxBlockSmem;
+}
+
+void launch_skinny_gemm_norm(const RowNorm& n, int64_t rows, const Mat& w, const bf16* bias, Mat out, bool swiglu,
+                             int n_sms, cudaStream_t s) {
+  const Mat x{nullptr, rows, w.cols, 0};
+  if (swiglu) launch_tiles<1, 2, true, true>(x, w, bias, out, n, s);
+  else if (two_row_tiles(w, n_sms)) launch_tiles<1, 2, false, true>(x, w, bias, out, n, s);
+  else launch_tiles<1, 1, false, true>(x, w, bias, out, n, s);
 }
 
 }  // namespace dflash::cuda

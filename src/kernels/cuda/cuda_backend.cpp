@@ -330,30 +330,38 @@ class CudaBackend final : public Backend {
   void norm_matmul(const ResidualNorm& n, Tensor& h, const Tensor& w, const Tensor* bias, Tensor& out,
                    Tensor* gate_up) override {
     static const bool off = std::getenv("DFLASH_FUSED_NORM") && std::string(std::getenv("DFLASH_FUSED_NORM")) == "0";
-    const Tensor& r = *n.residual;
-    const bool bf = r.dtype == DType::BF16 && w.dtype == DType::BF16 && n.weight->dtype == DType::BF16 &&
-                    (!n.delta || (n.delta->dtype == DType::BF16 && n.residual_out->dtype == DType::BF16));
-    const bool shapes = r.cols == w.cols && out.rows == r.rows && (!n.delta || (n.delta->rows == r.rows &&
-                        n.delta->cols == r.cols && n.residual_out->rows == r.rows && n.residual_out->cols == r.cols)) &&
-                        (gate_up ? w.rows == 2 * out.cols : w.rows == out.cols);
-    cuda::RowNorm rn;
-    if (bf && shapes && !off) {
-      rn.residual = static_cast<const bf16*>(r.data);
-      rn.residual_stride = r.stride;
-      if (n.delta) {
-        rn.delta = static_cast<const bf16*>(n.delta->data);
-        rn.delta_stride = n.delta->stride;
-        rn.residual_out = static_cast<bf16*>(n.residual_out->data);
-        rn.residual_out_stride = n.residual_out->stride;
-      }
-      rn.weight = static_cast<const bf16*>(n.weight->data);
-      rn.eps = n.eps;
-    }
-    if (!rn.residual || !cuda::skinny_gemm_norm_supported(rn, r.rows, mat(w), gate_up, props_.multiProcessorCount))
+    const cuda::RowNorm rn = row_norm(n);
+    const bool shapes = n.residual->cols == w.cols && out.rows == n.residual->rows &&
+                        w.dtype == DType::BF16 && (gate_up ? w.rows == 2 * out.cols : w.rows == out.cols);
+    if (off || !rn.residual || !shapes ||
+        !cuda::skinny_gemm_norm_supported(rn, n.residual->rows, mat(w), gate_up, props_.multiProcessorCount))
       return Backend::norm_matmul(n, h, w, bias, out, gate_up);
-    cuda::launch_skinny_gemm_norm(rn, r.rows, mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
-                                  gate_up != nullptr, props_.multiProcessorCount, s_);
+    cuda::launch_skinny_gemm_norm(rn, n.residual->rows, mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr,
+                                  mat(out), gate_up != nullptr, props_.multiProcessorCount, s_);
     CUDA_CHECK_LAUNCH();
+  }
+
+  // The kernels' view of a ResidualNorm; residual stays null when a tensor is not bf16 or the
+  // shapes differ (the caller then takes the separate steps).
+  static cuda::RowNorm row_norm(const ResidualNorm& n) {
+    const Tensor& r = *n.residual;
+    cuda::RowNorm rn;
+    if (r.dtype != DType::BF16 || n.weight->dtype != DType::BF16) return rn;
+    if (n.delta) {
+      const Tensor &d = *n.delta, &ro = *n.residual_out;
+      if (d.dtype != DType::BF16 || ro.dtype != DType::BF16 || d.rows != r.rows || d.cols != r.cols ||
+          ro.rows != r.rows || ro.cols != r.cols)
+        return rn;
+      rn.delta = static_cast<const bf16*>(d.data);
+      rn.delta_stride = d.stride;
+      rn.residual_out = static_cast<bf16*>(ro.data);
+      rn.residual_out_stride = ro.stride;
+    }
+    rn.residual = static_cast<const bf16*>(r.data);
+    rn.residual_stride = r.stride;
+    rn.weight = static_cast<const bf16*>(n.weight->data);
+    rn.eps = n.eps;
+    return rn;
   }
 
   void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) override {
@@ -510,18 +518,16 @@ class CudaBackend final : public Backend {
   // Grow-only device buffers; previous contents are dead once the stream moves on.
   // Inside a capture, a fresh piece of the arena (graphs keep their own addresses).
   void* workspace_for(int64_t bytes) {
-    Tensor& buf = attn_ws_;
-    const int64_t need = bytes;
-    if (need == 0) return nullptr;
+    if (bytes == 0) return nullptr;
     if (capturing_) {  // one piece per capture, grown when a later call needs more
-      if (capture_ws_bytes_ < need) {
-        capture_ws_ = arena_tensor(1, 1, static_cast<size_t>(need)).data;
-        capture_ws_bytes_ = need;
+      if (capture_ws_bytes_ < bytes) {
+        capture_ws_ = arena_tensor(1, 1, static_cast<size_t>(bytes)).data;
+        capture_ws_bytes_ = bytes;
       }
       return capture_ws_;
     }
-    if (buf.empty() || buf.rows * 2 < need) buf = alloc((need + 1) / 2, 1);
-    return buf.data;
+    if (attn_ws_.empty() || attn_ws_.rows * 2 < bytes) attn_ws_ = alloc((bytes + 1) / 2, 1);
+    return attn_ws_.data;
   }
 
   const float* device_inv_freq(const std::vector<float>& f) {

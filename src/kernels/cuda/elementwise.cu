@@ -19,7 +19,6 @@ using bf = __nv_bfloat16;
 __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*reinterpret_cast<const bf*>(p)); }
 __device__ __forceinline__ void st(bf16* p, float v) { *reinterpret_cast<bf*>(p) = __float2bfloat16(v); }
 
-
 __global__ void embed_kernel(const bf16* table, int64_t table_stride, const int32_t* ids, int64_t cols, bf16* out,
                              int64_t out_stride) {
   pdl_begin();

@@ -11,7 +11,7 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits bench profile ab serving" (default: all but profile and ab).
+# Steps can be chosen with STEPS="tests logits sites bench profile ab serving" (default: all but sites, profile and ab).
 # DFLASH_PDL=0 turns programmatic dependent launch off (A/B timings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +69,14 @@ if [[ $steps == *logits* ]]; then
   "$dflash" logits --device cuda --model "$ckpt/qwen3-8b-l4" --prompt-ids "$ids" --out "$ckpt/l4.f32"
   python3 tools/check_logits_hf.py "$ckpt/qwen3-8b-l4" "$ckpt/l4.f32" --prompt-ids "$ids" \
     --json "$out/logits_vs_hf.json" || status=1
+fi
+
+if [[ $steps == *sites* ]]; then
+  echo "== logits: which bf16 roundings matter (4 layers of the Qwen3-8B shape, float32 forward) =="
+  [ -f "$ckpt/qwen3-8b-l4/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b-l4" --layers 4 --seed 1
+  ids=$(python3 -c "import random; r = random.Random(5); print(','.join(str(r.randrange(151936)) for _ in range(200)))")
+  python3 tools/logits_rounding_sites.py "$ckpt/qwen3-8b-l4" --prompt-ids "$ids" --json "$out/logits_rounding_sites.json" ||
+    status=1
 fi
 
 if [[ $steps == *bench* ]]; then

@@ -37,7 +37,7 @@ KvCache DraftModel::alloc_cache(int n_pages, int page_size) {
 
 void DraftModel::project_context(const Tensor& features, const ForwardBatch& batch, KvCache& cache) {
   const ModelConfig& c = cfg_.layers;
-  const int64_t n = batch.n_rows(), kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  const int64_t n = batch.n_rows(), q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   check(features.rows == n && features.cols == w_.fc.cols, "draft context: features shape mismatch");
   if (n == 0) return;
   Tensor projected = be_.alloc(n, c.n_embd);
@@ -47,10 +47,11 @@ void DraftModel::project_context(const Tensor& features, const ForwardBatch& bat
   Tensor kv = be_.alloc(n, 2 * kv_dim);
   for (size_t l = 0; l < w_.layers.size(); ++l) {
     const LayerWeights& w = w_.layers[l];
-    be_.matmul(ctx, w.kv_rows(c), nullptr, kv);
-    Tensor k = kv.slice_cols(0, kv_dim), v = kv.slice_cols(kv_dim, kv_dim);
-    be_.head_norm_rope(k, c.n_kv_heads, c.head_dim, &w.k_norm, c.rms_norm_eps, batch.positions, inv_freq_);
-    be_.kv_write(k, v, cache.k[l], cache.v[l], batch.kv_slots);
+    const Tensor kv_bias = w.qkv_bias.empty() ? Tensor{} : w.qkv_bias.slice_cols(q_dim, 2 * kv_dim);
+    be_.matmul(ctx, w.kv_rows(c), kv_bias.empty() ? nullptr : &kv_bias, kv);
+    // kv = [k | v]: the attention-input step with no query heads (k norm, RoPE, cache write).
+    be_.qkv_rope_kv_write(kv, 0, c.n_kv_heads, c.head_dim, nullptr, w.k_norm.empty() ? nullptr : &w.k_norm,
+                          c.rms_norm_eps, batch.positions, inv_freq_, cache.k[l], cache.v[l], batch.kv_slots);
   }
 }
 

@@ -15,6 +15,10 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/attention_common.cuh"
@@ -226,10 +230,12 @@ __global__ void __launch_bounds__(32 * kTileWarps)
 }
 
 // One warp per (row, head) combines the row's splits (combine_splits), head_dim <= 32 * kDims.
+// It releases the next kernel when the attention before it did (attention_may_release_early).
 template <int kDims>
 __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, const float* workspace,
-                               int max_splits, bf16* out, int64_t out_stride) {
-  pdl_wait();  // released at the end, as the attention kernels: the product after it gets an empty GPU
+                               int max_splits, bf16* out, int64_t out_stride, int release_early) {
+  if (release_early) pdl_release();
+  pdl_wait();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= static_cast<int64_t>(n_rows) * shp.n_heads) return;
   const int row = static_cast<int>(item / shp.n_heads), head = static_cast<int>(item % shp.n_heads);
@@ -243,15 +249,34 @@ __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, c
 int max_splits_for(int max_keys) { return (max_keys + kAttnSplitKeys - 1) / kAttnSplitKeys; }
 
 void launch_combine(const AttnRow* rows, int n_rows, int splits, const AttnShape& shp, const float* workspace,
-                    Mat out, cudaStream_t s) {
+                    Mat out, bool release_early, cudaStream_t s) {
   if (splits <= 1) return;
   const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;
   const auto kernel = shp.head_dim <= 128 ? combine_kernel<4> : combine_kernel<8>;
-  launch(kernel, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, workspace, splits, out.data,
-         out.stride);
+  const unsigned blocks = static_cast<unsigned>((items + 3) / 4);
+  release_early = release_early && attention_may_release_early(reinterpret_cast<const void*>(kernel), 128, blocks);
+  launch(kernel, blocks, 128, s, rows, n_rows, shp, workspace, splits, out.data, out.stride, release_early ? 1 : 0);
 }
 
 }  // namespace
+
+bool attention_may_release_early(const void* kernel, int threads, int64_t blocks) {
+  static const bool off = std::getenv("DFLASH_ATTN_EARLY_RELEASE") &&
+                          std::string(std::getenv("DFLASH_ATTN_EARLY_RELEASE")) == "0";
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int64_t> capacity;  // blocks the GPU holds at once
+  if (off) return false;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = capacity.find({kernel, threads});
+  if (it == capacity.end()) {
+    int device = 0, sms = 0, per_sm = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    it = capacity.emplace(std::make_pair(kernel, threads), int64_t{sms} * per_sm).first;
+  }
+  return blocks <= it->second;
+}
 
 int64_t attention_workspace_bytes(int n_rows, int max_keys, const AttnShape& shape) {
   const int splits = max_splits_for(max_keys);
@@ -270,8 +295,10 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
   if (n_rows == 0) return;
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
   if (attention_mma_heads(shp) > 0) {
-    launch_attention_mma(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out, s);
-    launch_combine(rows, n_rows, splits, shp, workspace, out, s);
+    bool early = false;
+    launch_attention_mma(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out, early,
+                         s);
+    launch_combine(rows, n_rows, splits, shp, workspace, out, early, s);
     return;
   }
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kGroupChunk(group) - 1) / kGroupChunk(group);
@@ -291,7 +318,7 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
   else if (shp.head_dim <= 64) by_group(std::integral_constant<int, 2>{});
   else if (shp.head_dim <= 128) by_group(std::integral_constant<int, 4>{});
   else by_group(std::integral_constant<int, 8>{});
-  launch_combine(rows, n_rows, splits, shp, workspace, out, s);
+  launch_combine(rows, n_rows, splits, shp, workspace, out, /*release_early=*/false, s);
 }
 
 }  // namespace dflash::cuda

@@ -215,14 +215,18 @@ template <int HD>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_mma_kernel(const bf16* q, int64_t q_stride, const bf16* kc, int64_t k_stride, const bf16* vc,
                          int64_t v_stride, const AttnRow* rows, const AttnTile* tiles, const int32_t* page_tables,
-                         AttnShape shp, int heads, float* workspace, int max_splits, bf16* out, int64_t out_stride) {
+                         AttnShape shp, int heads, float* workspace, int max_splits, bf16* out, int64_t out_stride,
+                         int release_early) {
   constexpr int kVRow = HD + 8;      // padded: the 8 rows an ldmatrix reads fall on different banks
   constexpr int kState = 4 + HD / 2;  // m and l of two vectors, their HD / 8 accumulator tiles
   __shared__ __align__(16) bf16 v_s[kWarps][16][kVRow];
   __shared__ float other[kWarps - 1][kState][32];  // later warps' (m, l, acc), lane-minor: no bank conflicts
-  // The next kernel may start only when this one's blocks are done (below): launched earlier, its
-  // blocks would land on the SMs this kernel has left and crowd them (a product then runs on part
-  // of the GPU: measured, plain batch 32 10.0 -> 12.7 ms).
+  // A grid larger than the GPU releases the next kernel only when its blocks are done (below):
+  // launched earlier, that kernel's blocks would take the SMs this one still needs for its later
+  // blocks (a product then runs on part of the GPU: measured, plain batch 32 10.0 -> 12.7 ms).
+  // A grid that the GPU holds at once releases it at the start: every block of this kernel is
+  // placed by then, and the product after the combine streams its first weights meanwhile.
+  if (release_early) pdl_release();
   pdl_wait();
 
   const int g = threadIdx.x % 32 / 4;
@@ -250,7 +254,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     attend_split<HD>(q, q_stride, kc, k_stride, vc, v_stride, rows[tile.first_row], page_tables, shp, kv_head, split,
                      vrow, vhead, lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, other);
 
-  pdl_release();
+  if (!release_early) pdl_release();
 }
 
 }  // namespace
@@ -263,13 +267,16 @@ int attention_mma_heads(const AttnShape& shp) {
 
 void launch_attention_mma(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
                           const AttnTile* tiles, int n_tiles, int splits, const int32_t* page_tables,
-                          const AttnShape& shp, float* workspace, Mat out, cudaStream_t s) {
+                          const AttnShape& shp, float* workspace, Mat out, bool& released_early,
+                          cudaStream_t s) {
   const int heads = attention_mma_heads(shp), group = shp.n_heads / shp.n_kv_heads;
   const int chunks = (group + heads - 1) / heads;
   const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
   auto run = [&](auto kernel) {
+    released_early = attention_may_release_early(reinterpret_cast<const void*>(kernel), kWarps * 32, int64_t{grid.x} * grid.y);
     launch(kernel, grid, kWarps * 32, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
-           v_cache.stride, rows, tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride);
+           v_cache.stride, rows, tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride,
+           released_early ? 1 : 0);
   };
   if (shp.head_dim <= 64) run(attention_mma_kernel<64>);
   else run(attention_mma_kernel<128>);

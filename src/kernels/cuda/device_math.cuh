@@ -39,6 +39,21 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok
   const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
 }
+// The same with an L2 prefetch-size hint: L2 fetches the aligned 128- or 256-byte segment
+// around the 16 bytes (kBytes 0: no hint).
+template <int kBytes>
+__device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, bool ok) {
+  static_assert(kBytes == 0 || kBytes == 128 || kBytes == 256, "prefetch sizes: 128 or 256 bytes");
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (kBytes == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0)
+                 : "memory");
+  else if constexpr (kBytes == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0)
+                 : "memory");
+  else
+    cp_async16(smem, gmem, ok);
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most N committed groups of this thread are still in flight.
 template <int N>

@@ -81,12 +81,15 @@ class Backend {
   // Device-to-device copy bandwidth in GB/s over a `bytes` buffer, counting bytes read plus written.
   virtual double measure_copy_gbps(int64_t bytes) = 0;
 
-  // Memory. Contents of new tensors are unspecified.
+  // Memory. Contents of new tensors are unspecified. alloc gives the backend's activation type;
+  // alloc_f32 float32, for the residual stream (backends computing in float32 give alloc's).
   virtual Tensor alloc(int64_t rows, int64_t cols) = 0;
+  virtual Tensor alloc_f32(int64_t rows, int64_t cols) { return alloc(rows, cols); }
   // Uploads checkpoint tensors stacked along rows (2-D, same column count), or
   // 1-D tensors concatenated into a single row; one tensor gives a plain copy.
   virtual Tensor upload(const std::vector<const TensorInfo*>& parts) = 0;
   virtual Tensor upload_host(const float* data, int64_t rows, int64_t cols) = 0;
+  virtual Tensor upload_host_f32(const float* data, int64_t rows, int64_t cols) { return upload_host(data, rows, cols); }
   virtual std::vector<float> to_host(const Tensor& t) = 0;
   virtual KvCache alloc_kv(int n_layers, int n_pages, int page_size, int n_kv_heads, int head_dim) = 0;
 
@@ -109,7 +112,8 @@ class Backend {
   // out = silu(gate_up[:, :n]) * gate_up[:, n:], n = out.cols
   virtual void swiglu(const Tensor& gate_up, Tensor& out) = 0;
   // The MLP's first half: out = swiglu(x * w^T + bias), w = [gate; up]. `gate_up` is scratch of
-  // [x.rows, w.rows] that a backend may skip; a fused form must be bit-identical to the two steps.
+  // [x.rows, w.rows] that a backend may skip; a fused form may keep gate and up in float32
+  // (no rounding to the activation type in between).
   virtual void matmul_swiglu(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& gate_up, Tensor& out) {
     matmul(x, w, bias, gate_up);
     swiglu(gate_up, out);

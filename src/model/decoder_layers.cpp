@@ -54,9 +54,10 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   Tensor delta = be.alloc(n, c.n_embd);
   Tensor gate_up = be.alloc(n, 2 * int64_t{c.n_ff});
   Tensor act = be.alloc(n, c.n_ff);
-  // The residual stream alternates between x and x2: a product that normalizes its own input
-  // reads one while it stores residual + delta to the other.
-  Tensor x2 = be.alloc(n, c.n_embd);
+  // The residual stream (float32: the layers' outputs add up unrounded) alternates between x
+  // and x2: a product that normalizes its own input reads one while it stores residual + delta
+  // to the other.
+  Tensor x2 = be.alloc_f32(n, c.n_embd);
   Tensor* cur = &x;
   Tensor* next = &x2;
   std::vector<int32_t> all_rows(static_cast<size_t>(n));  // for layer-output capture

@@ -52,7 +52,7 @@ struct StackInputs {
   Tensor* captured = nullptr;
 };
 
-// Runs all layers over `x` [rows, n_embd] (the residual stream, updated in place)
+// Runs all layers over `x` [rows, n_embd] (the residual stream, from Backend::alloc_f32, updated in place)
 // and returns final_norm(x).
 Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
                           const std::vector<float>& inv_freq, const Tensor& final_norm, Tensor& x,

@@ -43,7 +43,7 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
   check(batch.page_size == cache.page_size, "forward batch page size differs from the cache's");
   const int64_t n = batch.n_rows();
   Output out;
-  Tensor x = be_.alloc(n, cfg_.n_embd);
+  Tensor x = be_.alloc_f32(n, cfg_.n_embd);  // the residual stream, float32
   be_.embed(w_.embed, batch.token_ids, x);
   StackInputs in;
   in.positions = &batch.positions;

@@ -21,6 +21,10 @@ using cuda::bf16;
 using cuda::Mat;
 
 Mat mat(const Tensor& t) { return {static_cast<bf16*>(t.data), t.rows, t.cols, t.stride}; }
+// A residual-stream tensor (float32 or bf16) for the kernels.
+cuda::Rows rows_of(const Tensor& t) { return {t.data, t.rows, t.cols, t.stride, t.dtype == DType::F32}; }
+
+bool residual_dtype(const Tensor& t) { return t.dtype == DType::F32 || t.dtype == DType::BF16; }
 
 void require_bf16(const Tensor& t, const char* what) {
   check(t.dtype == DType::BF16 && !t.empty(), "cuda backend: ", what, " must be a non-empty BF16 tensor");
@@ -203,24 +207,27 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH();
   }
 
-  Tensor alloc(int64_t rows, int64_t cols) override {
+  Tensor alloc(int64_t rows, int64_t cols) override { return alloc_as(rows, cols, DType::BF16); }
+  Tensor alloc_f32(int64_t rows, int64_t cols) override { return alloc_as(rows, cols, DType::F32); }
+
+  Tensor alloc_as(int64_t rows, int64_t cols, DType dt) {
     check(rows >= 0 && cols >= 0, "cuda backend: negative tensor size");
-    const size_t bytes = sizeof(bf16) * static_cast<size_t>(std::max<int64_t>(rows * cols, 1));
-    if (capturing_) return arena_tensor(rows, cols, bytes);
+    const size_t bytes = dtype_size(dt) * static_cast<size_t>(std::max<int64_t>(rows * cols, 1));
+    if (capturing_) return arena_tensor(rows, cols, bytes, dt);
     void* p = nullptr;
     const cudaError_t err = cudaMallocAsync(&p, bytes, s_);
     if (err != cudaSuccess) {
       cudaGetLastError();
       size_t f = 0, t = 0;
       cudaMemGetInfo(&f, &t);
-      throw Error(cat("out of GPU memory: cannot allocate ", bytes, " bytes (", rows, " x ", cols, " bf16); ", f,
-                      " of ", t, " bytes free"));
+      throw Error(cat("out of GPU memory: cannot allocate ", bytes, " bytes (", rows, " x ", cols, " ",
+                      dtype_name(dt), "); ", f, " of ", t, " bytes free"));
     }
     auto owner = owner_;
     Tensor tns;
     tns.storage = std::shared_ptr<void>(p, [owner](void* q) { cudaFreeAsync(q, owner->stream); });
     tns.data = p;
-    tns.dtype = DType::BF16;
+    tns.dtype = dt;
     tns.rows = rows;
     tns.cols = cols;
     tns.stride = cols;
@@ -264,7 +271,21 @@ class CudaBackend final : public Backend {
     return t;
   }
 
+  Tensor upload_host_f32(const float* data, int64_t rows, int64_t cols) override {
+    Tensor t = alloc_f32(rows, cols);
+    CUDA_CHECK(cudaMemcpyAsync(t.data, data, sizeof(float) * rows * cols, cudaMemcpyHostToDevice, s_));
+    CUDA_CHECK(cudaStreamSynchronize(s_));
+    return t;
+  }
+
   std::vector<float> to_host(const Tensor& t) override {
+    if (t.dtype == DType::F32 && !t.empty()) {
+      std::vector<float> out(static_cast<size_t>(t.rows * t.cols));
+      CUDA_CHECK(cudaMemcpy2DAsync(out.data(), t.cols * sizeof(float), t.data, t.stride * sizeof(float),
+                                   t.cols * sizeof(float), t.rows, cudaMemcpyDeviceToHost, s_));
+      CUDA_CHECK(cudaStreamSynchronize(s_));
+      return out;
+    }
     require_bf16(t, "to_host input");
     std::vector<uint16_t> h(static_cast<size_t>(t.rows * t.cols));
     CUDA_CHECK(cudaMemcpy2DAsync(h.data(), t.cols * sizeof(bf16), t.data, t.stride * sizeof(bf16),
@@ -294,7 +315,8 @@ class CudaBackend final : public Backend {
     for (int32_t id : ids) {
       check(id >= 0 && id < table.rows, "token id ", id, " is outside the vocabulary (0..", table.rows - 1, ")");
     }
-    cuda::launch_embed(mat(table), stage(ids), mat(out), s_);
+    check(residual_dtype(out), "cuda backend: embed output must be F32 or BF16");
+    cuda::launch_embed(mat(table), stage(ids), rows_of(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -346,33 +368,40 @@ class CudaBackend final : public Backend {
   static cuda::RowNorm row_norm(const ResidualNorm& n) {
     const Tensor& r = *n.residual;
     cuda::RowNorm rn;
-    if (r.dtype != DType::BF16 || n.weight->dtype != DType::BF16) return rn;
+    if (!residual_dtype(r) || n.weight->dtype != DType::BF16) return rn;
     if (n.delta) {
       const Tensor &d = *n.delta, &ro = *n.residual_out;
-      if (d.dtype != DType::BF16 || ro.dtype != DType::BF16 || d.rows != r.rows || d.cols != r.cols ||
+      if (d.dtype != DType::BF16 || ro.dtype != r.dtype || d.rows != r.rows || d.cols != r.cols ||
           ro.rows != r.rows || ro.cols != r.cols)
         return rn;
       rn.delta = static_cast<const bf16*>(d.data);
       rn.delta_stride = d.stride;
-      rn.residual_out = static_cast<bf16*>(ro.data);
+      rn.residual_out = ro.data;
       rn.residual_out_stride = ro.stride;
     }
-    rn.residual = static_cast<const bf16*>(r.data);
+    rn.residual = r.data;
     rn.residual_stride = r.stride;
+    rn.f32 = r.dtype == DType::F32;
     rn.weight = static_cast<const bf16*>(n.weight->data);
     rn.eps = n.eps;
     return rn;
   }
 
   void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) override {
-    cuda::launch_rms_norm(mat(x), static_cast<const bf16*>(weight.data), eps, mat(out), s_);
+    check(residual_dtype(x), "cuda backend: rms_norm input must be F32 or BF16");
+    require_bf16(out, "rms_norm output");
+    cuda::launch_rms_norm(rows_of(x), static_cast<const bf16*>(weight.data), eps, mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
   void add_rms_norm(const Tensor& residual, const Tensor& delta, Tensor& residual_out, const Tensor& weight, float eps,
                     Tensor& out) override {
-    cuda::launch_add_rms_norm(mat(residual), mat(delta), mat(residual_out), static_cast<const bf16*>(weight.data), eps,
-                              mat(out), s_);
+    check(residual_dtype(residual) && residual_out.dtype == residual.dtype,
+          "cuda backend: add_rms_norm needs the residual and its output in one type (F32 or BF16)");
+    require_bf16(delta, "add_rms_norm delta");
+    require_bf16(out, "add_rms_norm output");
+    cuda::launch_add_rms_norm(rows_of(residual), mat(delta), rows_of(residual_out),
+                              static_cast<const bf16*>(weight.data), eps, mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -452,7 +481,10 @@ class CudaBackend final : public Backend {
 
   void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) override {
     for (int32_t r : rows) check(r >= 0 && r < src.rows, "cuda backend: gather row out of range");
-    cuda::launch_gather_rows(mat(src), stage(rows), mat(out), s_);
+    check(residual_dtype(src) && src.cols == out.cols && static_cast<int64_t>(rows.size()) == out.rows,
+          "cuda backend: gather_rows shape mismatch");
+    require_bf16(out, "gather_rows output");
+    cuda::launch_gather_rows(rows_of(src), stage(rows), mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -500,14 +532,14 @@ class CudaBackend final : public Backend {
     return d;
   }
 
-  Tensor arena_tensor(int64_t rows, int64_t cols, size_t bytes) {
+  Tensor arena_tensor(int64_t rows, int64_t cols, size_t bytes, DType dt = DType::BF16) {
     const size_t need = (bytes + 255) / 256 * 256;
     check(arena_offset_ + need <= arena_size_, "a CUDA graph needs more than the ", arena_size_ >> 20,
           " MiB of its temporary arena");
     Tensor t;
     t.data = static_cast<char*>(arena_) + arena_offset_;
     t.storage = std::shared_ptr<void>(t.data, [](void*) {});  // the arena lives as long as the backend
-    t.dtype = DType::BF16;
+    t.dtype = dt;
     t.rows = rows;
     t.cols = cols;
     t.stride = cols;

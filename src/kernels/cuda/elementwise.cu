@@ -1,6 +1,6 @@
-// Row-wise and element-wise kernels. Rounding follows Hugging Face's bf16
-// modules step by step (each torch op rounds its result to bf16), so that
-// outputs track transformers running the same checkpoint in bf16.
+// Row-wise and element-wise kernels. Each computes in float32 and rounds once,
+// when it stores a bf16 result; the residual stream may be float32 (Rows), so
+// that the sum of the layers' outputs is not rounded after every layer.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -18,27 +18,33 @@ using bf = __nv_bfloat16;
 
 __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*reinterpret_cast<const bf*>(p)); }
 __device__ __forceinline__ void st(bf16* p, float v) { *reinterpret_cast<bf*>(p) = __float2bfloat16(v); }
+__device__ __forceinline__ float ld(const float* p) { return *p; }
+__device__ __forceinline__ void st(float* p, float v) { *p = v; }
 
-__global__ void embed_kernel(const bf16* table, int64_t table_stride, const int32_t* ids, int64_t cols, bf16* out,
+// R: the residual stream's element type (bf16 or float) in the kernels below.
+template <typename R>
+__global__ void embed_kernel(const bf16* table, int64_t table_stride, const int32_t* ids, int64_t cols, R* out,
                              int64_t out_stride) {
   pdl_begin();
   const int64_t r = blockIdx.x;
   const bf16* src = table + ids[r] * table_stride;
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) out[r * out_stride + i] = src[i];
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(out + r * out_stride + i, ld(src + i));
 }
 
-__global__ void gather_kernel(const bf16* src, int64_t src_stride, const int32_t* rows, int64_t cols, bf16* out,
+template <typename R>
+__global__ void gather_kernel(const R* src, int64_t src_stride, const int32_t* rows, int64_t cols, bf16* out,
                               int64_t out_stride) {
   pdl_begin();
   const int64_t r = blockIdx.x;
-  const bf16* s = src + rows[r] * src_stride;
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) out[r * out_stride + i] = s[i];
+  const R* s = src + rows[r] * src_stride;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(out + r * out_stride + i, ld(s + i));
 }
 
-__global__ void rms_norm_kernel(const bf16* x, int64_t x_stride, const bf16* w, float eps, int64_t cols, bf16* out,
+template <typename R>
+__global__ void rms_norm_kernel(const R* x, int64_t x_stride, const bf16* w, float eps, int64_t cols, bf16* out,
                                 int64_t out_stride) {
   pdl_begin();
-  const bf16* xr = x + blockIdx.x * x_stride;
+  const R* xr = x + blockIdx.x * x_stride;
   bf16* o = out + blockIdx.x * out_stride;
   float ss = 0.0f;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
@@ -46,35 +52,35 @@ __global__ void rms_norm_kernel(const bf16* x, int64_t x_stride, const bf16* w, 
     ss += v * v;
   }
   const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * round_bf(ld(xr + i) * scale));
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * (ld(xr + i) * scale));
 }
 
-__global__ void add_rms_norm_kernel(const bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
-                                    bf16* res_out, int64_t res_out_stride, const bf16* w, float eps, int64_t cols,
+template <typename R>
+__global__ void add_rms_norm_kernel(const R* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
+                                    R* res_out, int64_t res_out_stride, const bf16* w, float eps, int64_t cols,
                                     bf16* out, int64_t out_stride) {
   pdl_begin();
-  const bf16* r = res + blockIdx.x * res_stride;
+  const R* r = res + blockIdx.x * res_stride;
   const bf16* d = delta + blockIdx.x * delta_stride;
-  bf16* ro = res_out + blockIdx.x * res_out_stride;
+  R* ro = res_out + blockIdx.x * res_out_stride;
   bf16* o = out + blockIdx.x * out_stride;
   float ss = 0.0f;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    const float v = round_bf(ld(r + i) + ld(d + i));
-    st(ro + i, v);
+    st(ro + i, ld(r + i) + ld(d + i));
+    const float v = ld(ro + i);  // as stored (rounded when R is bf16)
     ss += v * v;
   }
   const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
   // Each thread re-reads only the elements it wrote above.
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * round_bf(ld(ro + i) * scale));
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(o + i, ld(w + i) * (ld(ro + i) * scale));
 }
 
 // The same two norms for rows that fit in registers (norm_row's conditions).
 // kAdd: residual + delta goes to res_out (may be res) and is normalized; else res is.
-template <bool kAdd>
+template <bool kAdd, typename R>
 __global__ void __launch_bounds__(kRowThreads)
-    rms_norm_vec_kernel(const bf16* res, int64_t res_stride, const bf16* delta, int64_t delta_stride,
-                        bf16* res_out, int64_t res_out_stride, const bf16* w, float eps, int cols, bf16* out,
-                        int64_t out_stride) {
+    rms_norm_vec_kernel(const R* res, int64_t res_stride, const bf16* delta, int64_t delta_stride, R* res_out,
+                        int64_t res_out_stride, const bf16* w, float eps, int cols, bf16* out, int64_t out_stride) {
   pdl_begin();
   const int64_t r = blockIdx.x;
   bf16* o = out + r * out_stride;
@@ -108,8 +114,8 @@ __device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16*
     for (int p = 0; p < kMaxPairsPerLane; ++p) {
       const int i = lane + 32 * p;
       if (i >= half) continue;
-      a[p] = round_bf(ld(norm_w + i) * round_bf(a[p] * scale));
-      b[p] = round_bf(ld(norm_w + i + half) * round_bf(b[p] * scale));
+      a[p] = ld(norm_w + i) * (a[p] * scale);
+      b[p] = ld(norm_w + i + half) * (b[p] * scale);
     }
   }
 #pragma unroll
@@ -118,9 +124,7 @@ __device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16*
     if (i >= half) continue;
     float sn, cs;
     sincosf(pos * inv_freq[i], &sn, &cs);
-    cs = round_bf(cs);
-    sn = round_bf(sn);
-    const float lo = round_bf(a[p] * cs) + round_bf(-b[p] * sn), hi = round_bf(b[p] * cs) + round_bf(a[p] * sn);
+    const float lo = a[p] * cs - b[p] * sn, hi = b[p] * cs + a[p] * sn;
     st(dst + i, lo);
     st(dst + i + half, hi);
     if (dst2) {
@@ -176,7 +180,7 @@ __global__ void swiglu_kernel(const bf16* gu, int64_t gu_stride, int64_t n, bf16
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = ld(gu + r * gu_stride + i), u = ld(gu + r * gu_stride + n + i);
-    st(out + r * out_stride + i, round_bf(g / (1.0f + expf(-g))) * u);
+    st(out + r * out_stride + i, g / (1.0f + expf(-g)) * u);
   }
 }
 
@@ -293,39 +297,63 @@ unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
 
 void set_pdl_enabled(bool on) { g_pdl_enabled = on; }
 
-void launch_embed(const Mat& table, const int32_t* ids, Mat out, cudaStream_t s) {
+void launch_embed(const Mat& table, const int32_t* ids, Rows out, cudaStream_t s) {
   if (out.rows == 0) return;
-  launch(embed_kernel, out.rows, kRowThreads, s, table.data, table.stride, ids, table.cols, out.data, out.stride);
+  if (out.f32)
+    launch(embed_kernel<float>, out.rows, kRowThreads, s, table.data, table.stride, ids, table.cols,
+           static_cast<float*>(out.data), out.stride);
+  else
+    launch(embed_kernel<bf16>, out.rows, kRowThreads, s, table.data, table.stride, ids, table.cols,
+           static_cast<bf16*>(out.data), out.stride);
 }
 
-void launch_gather_rows(const Mat& src, const int32_t* rows, Mat out, cudaStream_t s) {
+void launch_gather_rows(const Rows& src, const int32_t* rows, Mat out, cudaStream_t s) {
   if (out.rows == 0) return;
-  launch(gather_kernel, out.rows, kRowThreads, s, src.data, src.stride, rows, src.cols, out.data, out.stride);
+  if (src.f32)
+    launch(gather_kernel<float>, out.rows, kRowThreads, s, static_cast<const float*>(src.data), src.stride, rows,
+           src.cols, out.data, out.stride);
+  else
+    launch(gather_kernel<bf16>, out.rows, kRowThreads, s, static_cast<const bf16*>(src.data), src.stride, rows,
+           src.cols, out.data, out.stride);
 }
 
-void launch_rms_norm(const Mat& x, const bf16* w, float eps, Mat out, cudaStream_t s) {
-  if (x.rows == 0) return;
+template <typename R>
+void rms_norm_as(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t s) {
+  const R* xd = static_cast<const R*>(x.data);
   if (rows_fit_registers(x.cols, {x.stride, out.stride}, {x.data, w, out.data})) {
-    launch(rms_norm_vec_kernel<false>, x.rows, kRowThreads, s, x.data, x.stride, static_cast<const bf16*>(nullptr),
-           int64_t{0}, static_cast<bf16*>(nullptr), int64_t{0}, w, eps, static_cast<int>(x.cols), out.data,
-           out.stride);
+    launch(rms_norm_vec_kernel<false, R>, x.rows, kRowThreads, s, xd, x.stride, static_cast<const bf16*>(nullptr),
+           int64_t{0}, static_cast<R*>(nullptr), int64_t{0}, w, eps, static_cast<int>(x.cols), out.data, out.stride);
     return;
   }
-  launch(rms_norm_kernel, x.rows, kRowThreads, s, x.data, x.stride, w, eps, x.cols, out.data, out.stride);
+  launch(rms_norm_kernel<R>, x.rows, kRowThreads, s, xd, x.stride, w, eps, x.cols, out.data, out.stride);
 }
 
-void launch_add_rms_norm(const Mat& residual, const Mat& delta, Mat residual_out, const bf16* w, float eps, Mat out,
-                         cudaStream_t s) {
-  if (residual.rows == 0) return;
+void launch_rms_norm(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t s) {
+  if (x.rows == 0) return;
+  if (x.f32) rms_norm_as<float>(x, w, eps, out, s);
+  else rms_norm_as<bf16>(x, w, eps, out, s);
+}
+
+template <typename R>
+void add_rms_norm_as(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
+                     cudaStream_t s) {
+  const R* rd = static_cast<const R*>(residual.data);
+  R* rod = static_cast<R*>(residual_out.data);
   if (rows_fit_registers(residual.cols, {residual.stride, delta.stride, residual_out.stride, out.stride},
                          {residual.data, delta.data, residual_out.data, w, out.data})) {
-    launch(rms_norm_vec_kernel<true>, residual.rows, kRowThreads, s, residual.data, residual.stride, delta.data,
-           delta.stride, residual_out.data, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data,
-           out.stride);
+    launch(rms_norm_vec_kernel<true, R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride,
+           rod, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride);
     return;
   }
-  launch(add_rms_norm_kernel, residual.rows, kRowThreads, s, residual.data, residual.stride, delta.data,
-         delta.stride, residual_out.data, residual_out.stride, w, eps, residual.cols, out.data, out.stride);
+  launch(add_rms_norm_kernel<R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride, rod,
+         residual_out.stride, w, eps, residual.cols, out.data, out.stride);
+}
+
+void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
+                         cudaStream_t s) {
+  if (residual.rows == 0) return;
+  if (residual.f32) add_rms_norm_as<float>(residual, delta, residual_out, w, eps, out, s);
+  else add_rms_norm_as<bf16>(residual, delta, residual_out, w, eps, out, s);
 }
 
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,

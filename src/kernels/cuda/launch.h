@@ -18,16 +18,23 @@ struct Mat {          // a bf16 matrix view
   int64_t rows, cols, stride;
 };
 
+// A matrix of the residual stream: float32 (f32) or bf16.
+struct Rows {
+  void* data;
+  int64_t rows, cols, stride;
+  bool f32;
+};
+
 // Programmatic dependent launch for every kernel below (Hopper and later; see pdl.cuh).
 void set_pdl_enabled(bool on);
 
 // out[r] = table[ids[r]]
-void launch_embed(const Mat& table, const int32_t* ids, Mat out, cudaStream_t s);
-// out = rmsnorm(x) * w  (x may alias out)
-void launch_rms_norm(const Mat& x, const bf16* w, float eps, Mat out, cudaStream_t s);
-// residual_out = residual + delta (rounded to bf16; residual_out may be residual);
+void launch_embed(const Mat& table, const int32_t* ids, Rows out, cudaStream_t s);
+// out = rmsnorm(x) * w  (x may alias out when both are bf16)
+void launch_rms_norm(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t s);
+// residual_out = residual + delta (both of the residual's type, residual_out may be residual);
 // out = rmsnorm(residual_out) * w
-void launch_add_rms_norm(const Mat& residual, const Mat& delta, Mat residual_out, const bf16* w, float eps, Mat out,
+void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
                          cudaStream_t s);
 // In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE.
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
@@ -42,8 +49,8 @@ void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim
 void launch_swiglu(const Mat& gate_up, Mat out, cudaStream_t s);
 // k_cache[slots[r]] = k[r]; v_cache[slots[r]] = v[r]
 void launch_kv_write(const Mat& k, const Mat& v, Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s);
-// out[i] = src[rows[i]]
-void launch_gather_rows(const Mat& src, const int32_t* rows, Mat out, cudaStream_t s);
+// out[i] = src[rows[i]] (rounded to bf16 when src is float32)
+void launch_gather_rows(const Rows& src, const int32_t* rows, Mat out, cudaStream_t s);
 // out[r] = index of the largest element of row r (lowest index on ties), for at most
 // kArgmaxMaxRows rows. A row is split over up to kArgmaxSlices blocks; `workspace`
 // (argmax_workspace_bytes()) must be zero when first used and is left zero again.
@@ -65,20 +72,21 @@ void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float scale, cudaSt
 constexpr int kSkinnyMaxRows = 32;
 bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out);
 void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s);
-// out = silu(g) * u with [g | u] = x * w^T (+ bias), w = [gate; up] of 2 * out.cols rows: bit-identical
-// to launch_skinny_gemm followed by launch_swiglu, without the intermediate.
+// out = silu(g) * u with [g | u] = x * w^T (+ bias), w = [gate; up] of 2 * out.cols rows, g and u
+// kept in float32 (launch_skinny_gemm followed by launch_swiglu rounds them to bf16 first).
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s);
 
 // A normalizing product's input rows: rmsnorm(residual + delta) * weight, and block 0 stores
 // residual + delta to residual_out (not residual: the other blocks read it); without delta,
 // rmsnorm(residual) * weight. The rows are as wide as the weight's columns.
 struct RowNorm {
-  const bf16* residual = nullptr;
+  const void* residual = nullptr;  // float32 when f32, else bf16; residual_out likewise
   int64_t residual_stride = 0;
   const bf16* delta = nullptr;
   int64_t delta_stride = 0;
-  bf16* residual_out = nullptr;
+  void* residual_out = nullptr;
   int64_t residual_out_stride = 0;
+  bool f32 = false;
   const bf16* weight = nullptr;
   float eps = 0.0f;
 };

@@ -48,39 +48,57 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return raw;
 }
 
+// Eight consecutive values of a row of bf16 (uint16_t) or float32, as floats; stores round
+// to bf16 or keep float32.
+__device__ __forceinline__ void load8(const uint16_t* p, float (&f)[8]) {
+  unpack8(*reinterpret_cast<const uint4*>(p), f);
+}
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+__device__ __forceinline__ void store8(uint16_t* p, const float (&f)[8]) {
+  *reinterpret_cast<uint4*>(p) = pack8(f);
+}
+__device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
+  *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
+  *reinterpret_cast<float4*>(p + 4) = make_float4(f[4], f[5], f[6], f[7]);
+}
+
 // One row of `cols` values (cols % 8 == 0, cols <= kVecMaxCols, 16-byte aligned rows), all
-// kRowThreads threads of the block taking part: v = res + delta rounded to bf16 (kAdd) or res,
-// stored to res_out when that is set (it may be res: each thread loads its pieces before it
-// stores them); then y = w * round(v * rsqrt(mean(v^2) + eps)), given to store(i, 8 values
-// packed) for the 8-value piece i. Each thread loads all its pieces before anything is stored,
-// so a row costs one round trip to memory.
-template <bool kAdd, typename Store>
-__device__ __forceinline__ void norm_row(const uint16_t* res, const uint16_t* delta, uint16_t* res_out,
-                                         const uint16_t* w, float eps, int cols, Store store) {
+// kRowThreads threads of the block taking part. The residual stream R is float32 (the model's)
+// or bf16: v = res + delta (kAdd; rounded to bf16 when R is) or res, stored to res_out when
+// that is set (it may be res: each thread loads its pieces before it stores them); then
+// y = w * v * rsqrt(mean(v^2) + eps) in float32, rounded once, given to store(i, 8 values
+// packed) for the 8-value piece i. Each thread loads all its pieces before anything is
+// stored, so a row costs one round trip to memory.
+template <bool kAdd, typename R, typename Store>
+__device__ __forceinline__ void norm_row(const R* res, const uint16_t* delta, R* res_out, const uint16_t* w, float eps,
+                                         int cols, Store store) {
+  constexpr bool kF32 = sizeof(R) == 4;
   const int n_vec = cols / 8;
-  uint4 xv[kVecPerThread], dv[kVecPerThread], wv[kVecPerThread];
+  float v[kVecPerThread][8];
+  uint4 dv[kVecPerThread], wv[kVecPerThread];
 #pragma unroll
   for (int k = 0; k < kVecPerThread; ++k) {
     const int i = threadIdx.x + k * kRowThreads;
     if (i >= n_vec) continue;
-    xv[k] = *reinterpret_cast<const uint4*>(res + 8 * i);
+    load8(res + 8 * i, v[k]);
     if constexpr (kAdd) dv[k] = *reinterpret_cast<const uint4*>(delta + 8 * i);
     wv[k] = __ldg(reinterpret_cast<const uint4*>(w + 8 * i));
   }
-  float v[kVecPerThread][8];
   float ss = 0.0f;
 #pragma unroll
   for (int k = 0; k < kVecPerThread; ++k) {
     const int i = threadIdx.x + k * kRowThreads;
     if (i >= n_vec) continue;
-    unpack8(xv[k], v[k]);
     if constexpr (kAdd) {
       float dd[8];
       unpack8(dv[k], dd);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[k][e] = round_bf(v[k][e] + dd[e]);
+      for (int e = 0; e < 8; ++e) v[k][e] = kF32 ? v[k][e] + dd[e] : round_bf(v[k][e] + dd[e]);
     }
-    if (res_out) *reinterpret_cast<uint4*>(res_out + 8 * i) = pack8(v[k]);
+    if (res_out) store8(res_out + 8 * i, v[k]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
   }
@@ -92,7 +110,7 @@ __device__ __forceinline__ void norm_row(const uint16_t* res, const uint16_t* de
     float wf[8], y[8];
     unpack8(wv[k], wf);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) y[e] = wf[e] * round_bf(v[k][e] * scale);
+    for (int e = 0; e < 8; ++e) y[e] = wf[e] * (v[k][e] * scale);
     store(i, pack8(y));
   }
 }

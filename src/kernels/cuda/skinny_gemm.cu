@@ -76,13 +76,14 @@ constexpr int64_t norm_row_elems(int64_t k) { return k + 8; }
 
 // MT: 8-token tiles (M <= 8 * MT); RT: 16-row weight tiles per block.
 // kSwiglu (RT == 2): w = [gate; up] with N rows each; tile 0 takes gate rows, tile 1 the same
-// up rows, and the block writes silu(gate) * up for its 16 features, rounded as the separate
-// product and SwiGLU kernels round.
+// up rows, and the block writes silu(gate) * up for its 16 features from the float32 sums,
+// rounded once (the separate product and SwiGLU kernels round gate and up first).
 // Each warp streams its chunks through a ring of kStages stages in shared memory with
 // cp.async, so that many chunks are in flight whatever the register budget; the first stages'
 // weights are requested before waiting on the previous kernel (they need nothing from it).
-// kNorm: x is unused; the rows come from `norm` (see RowNorm), K == the rows' width.
-template <int MT, int RT, bool kSwiglu, bool kNorm>
+// kNorm: x is unused; the rows come from `norm` (see RowNorm), K == the rows' width, and R is
+// the residual stream's element type (float or bf16).
+template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
@@ -145,12 +146,12 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     const int64_t rs = norm_row_elems(K);
     for (int t = 0; t < M; ++t) {
       auto store = [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(rows + t * rs + 8 * i) = y; };
-      const bf16* res = norm.residual + t * norm.residual_stride;
+      const R* res = static_cast<const R*>(norm.residual) + t * norm.residual_stride;
       if (norm.delta) {
-        bf16* res_out = blockIdx.x == 0 ? norm.residual_out + t * norm.residual_out_stride : nullptr;
+        R* res_out = blockIdx.x == 0 ? static_cast<R*>(norm.residual_out) + t * norm.residual_out_stride : nullptr;
         norm_row<true>(res, norm.delta + t * norm.delta_stride, res_out, norm.weight, norm.eps, K, store);
       } else {
-        norm_row<false>(res, nullptr, nullptr, norm.weight, norm.eps, K, store);
+        norm_row<false>(res, nullptr, static_cast<R*>(nullptr), norm.weight, norm.eps, K, store);
       }
     }
     __syncthreads();
@@ -234,8 +235,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
 #pragma unroll
       for (int j = 0; j < kWarps; ++j) up += red[j][1][mt][i][l];
       if (bias) up += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[N + feature]);
-      const float gate = round_bf(sum);
-      sum = round_bf(gate / (1.0f + expf(-gate))) * round_bf(up);
+      sum = sum / (1.0f + expf(-sum)) * up;  // float32 gate and up, rounded once below
     }
     reinterpret_cast<__nv_bfloat16*>(out)[token * out_stride + feature] = __float2bfloat16(sum);
   }
@@ -260,10 +260,10 @@ size_t launch_smem_bytes(int M, int64_t K) {
   return smem_bytes<MT, RT, kNorm>() + (kNorm ? sizeof(bf16) * M * norm_row_elems(K) : 0);
 }
 
-template <int MT, int RT, bool kSwiglu, bool kNorm = false>
+template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16>
 void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s) {
   static const bool configured = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm>,
+    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxBlockSmem)));
     return true;
   }();
@@ -271,7 +271,7 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);
   const unsigned blocks = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
-  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm>, blocks, kWarps * 32,
+  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R>, blocks, kWarps * 32,
               launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols), s, x.data, x.stride,
               static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
               out.data, out.stride, norm, weight_l2_hint());
@@ -320,12 +320,19 @@ bool skinny_gemm_norm_supported(const RowNorm& n, int64_t rows, const Mat& w, bo
   return smem <= kMaxBlockSmem;
 }
 
+template <typename R>
+void launch_norm_as(const RowNorm& n, int64_t rows, const Mat& w, const bf16* bias, Mat out, bool swiglu, int n_sms,
+                    cudaStream_t s) {
+  const Mat x{nullptr, rows, w.cols, 0};
+  if (swiglu) launch_tiles<1, 2, true, true, R>(x, w, bias, out, n, s);
+  else if (two_row_tiles(w, n_sms)) launch_tiles<1, 2, false, true, R>(x, w, bias, out, n, s);
+  else launch_tiles<1, 1, false, true, R>(x, w, bias, out, n, s);
+}
+
 void launch_skinny_gemm_norm(const RowNorm& n, int64_t rows, const Mat& w, const bf16* bias, Mat out, bool swiglu,
                              int n_sms, cudaStream_t s) {
-  const Mat x{nullptr, rows, w.cols, 0};
-  if (swiglu) launch_tiles<1, 2, true, true>(x, w, bias, out, n, s);
-  else if (two_row_tiles(w, n_sms)) launch_tiles<1, 2, false, true>(x, w, bias, out, n, s);
-  else launch_tiles<1, 1, false, true>(x, w, bias, out, n, s);
+  if (n.f32) launch_norm_as<float>(n, rows, w, bias, out, swiglu, n_sms, s);
+  else launch_norm_as<bf16>(n, rows, w, bias, out, swiglu, n_sms, s);
 }
 
 }  // namespace dflash::cuda

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <utility>
 
 #include "kernels/backend.h"
 #include "test_util.h"
@@ -33,40 +34,32 @@ class CudaOps : public ::testing::Test {
     rng.seed(std::random_device{}());
   }
 
-  // The same bf16-exact random matrix on both backends.
+  // The same matrix on both backends: bf16 on the GPU (random values rounded to bf16 first), or
+  // float32 (f32: the residual stream; not rounded). The CPU keeps float32.
   struct Pair {
     Tensor c, g;
     std::vector<float> host;
   };
+  Pair pair_of(std::vector<float> host, int64_t rows, int64_t cols, bool f32) {
+    Pair p;
+    p.host = std::move(host);
+    p.c = cpu->upload_host(p.host.data(), rows, cols);
+    p.g = f32 ? gpu->upload_host_f32(p.host.data(), rows, cols) : gpu->upload_host(p.host.data(), rows, cols);
+    return p;
+  }
   Pair random(int64_t rows, int64_t cols, float scale = 1.0f) {
-    Pair p;
-    p.host = bf16_rounded(test::random_vector(rng, static_cast<size_t>(rows * cols), scale));
-    p.c = cpu->upload_host(p.host.data(), rows, cols);
-    p.g = gpu->upload_host(p.host.data(), rows, cols);
-    return p;
+    return pair_of(bf16_rounded(test::random_vector(rng, static_cast<size_t>(rows * cols), scale)), rows, cols, false);
   }
-  Pair poisoned(int64_t rows, int64_t cols) {
-    Pair p;
-    p.host.assign(static_cast<size_t>(rows * cols), NAN);
-    p.c = cpu->alloc(rows, cols);
-    p.g = gpu->upload_host(p.host.data(), rows, cols);
-    return p;
-  }
-  // The same for a float32 tensor on the GPU (the residual stream); random values are not rounded.
   Pair random_f32(int64_t rows, int64_t cols, float scale = 1.0f) {
-    Pair p;
-    p.host = test::random_vector(rng, static_cast<size_t>(rows * cols), scale);
-    p.c = cpu->upload_host(p.host.data(), rows, cols);
-    p.g = gpu->upload_host_f32(p.host.data(), rows, cols);
-    return p;
+    return pair_of(test::random_vector(rng, static_cast<size_t>(rows * cols), scale), rows, cols, true);
   }
-  Pair poisoned_f32(int64_t rows, int64_t cols) {
-    Pair p;
-    p.host.assign(static_cast<size_t>(rows * cols), NAN);
+  // An output: NaN on the GPU, so an element left unwritten fails; the CPU's is fresh.
+  Pair poisoned(int64_t rows, int64_t cols, bool f32 = false) {
+    Pair p = pair_of(std::vector<float>(static_cast<size_t>(rows * cols), NAN), rows, cols, f32);
     p.c = cpu->alloc(rows, cols);
-    p.g = gpu->upload_host_f32(p.host.data(), rows, cols);
     return p;
   }
+  Pair poisoned_f32(int64_t rows, int64_t cols) { return poisoned(rows, cols, true); }
   void expect_close(const Pair& p, const std::string& what, double bound = kBound) {
     const double err = test::rel_l2_error(gpu->to_host(p.g), cpu->to_host(p.c));
     EXPECT_LE(err, bound) << what;

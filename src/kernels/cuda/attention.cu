@@ -15,15 +15,14 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <map>
 #include <mutex>
-#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/attention_mma.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -261,8 +260,7 @@ void launch_combine(const AttnRow* rows, int n_rows, int splits, const AttnShape
 }  // namespace
 
 bool attention_may_release_early(const void* kernel, int threads, int64_t blocks) {
-  static const bool off = std::getenv("DFLASH_ATTN_EARLY_RELEASE") &&
-                          std::string(std::getenv("DFLASH_ATTN_EARLY_RELEASE")) == "0";
+  static const bool off = env_switch("DFLASH_ATTN_EARLY_RELEASE") == "0";
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, int64_t> capacity;  // blocks the GPU holds at once
   if (off) return false;

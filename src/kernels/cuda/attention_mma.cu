@@ -18,12 +18,12 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/attention_mma.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/pdl.cuh"
 
 namespace dflash::cuda {
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 }  // namespace
 
 int attention_mma_heads(const AttnShape& shp) {
-  static const bool off = std::getenv("DFLASH_ATTN_MMA") && std::string(std::getenv("DFLASH_ATTN_MMA")) == "0";
+  static const bool off = env_switch("DFLASH_ATTN_MMA") == "0";
   if (shp.head_dim > 128 || off) return 0;
   return std::min(shp.n_heads / shp.n_kv_heads, kVecs);
 }
@@ -290,7 +290,7 @@ void launch_attention_mma(const Mat& q, const Mat& k_cache, const Mat& v_cache, 
                           cudaStream_t s) {
   // Key and value rows are read with a 128-byte L2 prefetch hint (H100, context 2048, batch 32:
   // 11.62 -> 11.45 ms a plain step; no change at batch 1); DFLASH_ATTN_L2_HINT=0 turns it off.
-  static const int l2_hint = !(std::getenv("DFLASH_ATTN_L2_HINT") && std::string(std::getenv("DFLASH_ATTN_L2_HINT")) == "0");
+  static const int l2_hint = env_switch("DFLASH_ATTN_L2_HINT") != "0";
   const int heads = attention_mma_heads(shp), group = shp.n_heads / shp.n_kv_heads;
   const int chunks = (group + heads - 1) / heads;
   const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));

@@ -11,6 +11,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/lt_gemm.h"
 
@@ -93,8 +94,8 @@ class CudaBackend final : public Backend {
   CudaBackend() {
     CUDA_CHECK(cudaSetDevice(0));
     CUDA_CHECK(cudaGetDeviceProperties(&props_, 0));
-    const char* pdl = std::getenv("DFLASH_PDL");  // "0" turns programmatic dependent launch off (A/B timing)
-    cuda::set_pdl_enabled(props_.major >= 9 && !(pdl && std::string(pdl) == "0"));
+    // DFLASH_PDL=0 turns programmatic dependent launch off (A/B timing).
+    cuda::set_pdl_enabled(props_.major >= 9 && cuda::env_switch("DFLASH_PDL") != "0");
     owner_ = std::make_shared<StreamOwner>();
     s_ = owner_->stream;
     cudaMemPool_t pool;
@@ -351,7 +352,7 @@ class CudaBackend final : public Backend {
   // A few rows (decode): the product normalizes its own input, one kernel instead of two.
   void norm_matmul(const ResidualNorm& n, Tensor& h, const Tensor& w, const Tensor* bias, Tensor& out,
                    Tensor* gate_up) override {
-    static const bool off = std::getenv("DFLASH_FUSED_NORM") && std::string(std::getenv("DFLASH_FUSED_NORM")) == "0";
+    static const bool off = cuda::env_switch("DFLASH_FUSED_NORM") == "0";
     const cuda::RowNorm rn = row_norm(n);
     const bool shapes = n.residual->cols == w.cols && out.rows == n.residual->rows &&
                         w.dtype == DType::BF16 && (gate_up ? w.rows == 2 * out.cols : w.rows == out.cols);

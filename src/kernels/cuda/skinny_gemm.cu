@@ -19,10 +19,10 @@
 // saves a kernel and its wait between the products of a layer.
 #include <cuda_bf16.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/row_norm.cuh"
@@ -247,8 +247,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
 // step 8.43 -> 8.11 ms). DFLASH_L2_HINT=0 or 256 picks another (A/B timings).
 int weight_l2_hint() {
   static const int hint = [] {
-    const char* v = std::getenv("DFLASH_L2_HINT");
-    const std::string s = v ? v : "";
+    const std::string s = env_switch("DFLASH_L2_HINT");
     return s == "256" ? 2 : s == "0" ? 0 : 1;
   }();
   return hint;

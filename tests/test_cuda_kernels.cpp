@@ -326,7 +326,14 @@ void PrintTo(const AttnCase& c, std::ostream* os) {
   *os << c.n_heads << "/" << c.n_kv_heads << " heads of " << c.head_dim << ", page " << c.page_size << ", window " << c.window;
 }
 
-class CudaAttention : public CudaOps, public ::testing::WithParamInterface<AttnCase> {};
+class CudaAttention : public CudaOps, public ::testing::WithParamInterface<AttnCase> {
+ protected:
+  struct Seq {
+    int n_past, n_new;
+    bool causal;
+  };
+  void check_fused_qkv_attention(const std::vector<Seq>& seqs);
+};
 
 TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   const AttnCase ac = GetParam();
@@ -378,6 +385,74 @@ TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   gpu->attention(q.g.slice_rows(r, 1), cg.k[0], cg.v[0], alone, {positions[r]}, ap, one);
   const auto a = gpu->to_host(one), b = gpu->to_host(out.g);
   EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin() + int64_t{r} * q_dim)) << "verify row differs from decode";
+}
+
+// The layer's attention straight from its q/k/v product (fused on the GPU where the shape
+// allows: queries and new keys normalized and rotated inside the attention, which also writes
+// the new keys and values to the cache) equals the separate steps bit for bit, and the CPU.
+TEST_P(CudaAttention, FusedQkvAttentionEqualsTheSeparateSteps) {
+  // Batches small enough for the fused form (one wave of blocks): decode rows (one at a split
+  // boundary), a verification block, a draft block; then prefill chunks, one continuing a sequence.
+  check_fused_qkv_attention({{250, 1, true}, {150, 16, true}, {100, 16, false}, {64, 1, true}});
+  check_fused_qkv_attention({{0, 48, true}, {20, 30, true}});
+  // Larger ones take the separate steps.
+  check_fused_qkv_attention({{700, 1, true}, {333, 16, true}, {129, 16, false}, {0, 200, true}, {63, 1, true}});
+}
+
+void CudaAttention::check_fused_qkv_attention(const std::vector<Seq>& seqs) {
+  const AttnCase ac = GetParam();
+  const int kv_dim = ac.n_kv_heads * ac.head_dim, q_dim = ac.n_heads * ac.head_dim, width = q_dim + 2 * kv_dim;
+  int n_pages = 5;
+  for (const auto& s : seqs) n_pages += (s.n_past + s.n_new + ac.page_size - 1) / ac.page_size;
+  std::vector<int32_t> perm(n_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  KvCache cc = cpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+  KvCache fused = gpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+  KvCache steps = gpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<AttentionSegment> segs;
+  std::vector<int32_t> positions, slots;
+  int next = 0, rows = 0;
+  for (const auto& s : seqs) {
+    const int n_keys = s.n_past + s.n_new, n_table = (n_keys + ac.page_size - 1) / ac.page_size;
+    tables.emplace_back(perm.begin() + next, perm.begin() + next + n_table);
+    next += n_table;
+    const auto& t = tables.back();
+    auto slot_of = [&](int p) { return t[p / ac.page_size] * ac.page_size + p % ac.page_size; };
+    std::vector<int32_t> past;
+    for (int p = 0; p < s.n_past; ++p) past.push_back(slot_of(p));
+    if (!past.empty()) {
+      auto k = random(s.n_past, kv_dim), v = random(s.n_past, kv_dim);
+      cpu->kv_write(k.c, v.c, cc.k[0], cc.v[0], past);
+      gpu->kv_write(k.g, v.g, fused.k[0], fused.v[0], past);
+      gpu->kv_write(k.g, v.g, steps.k[0], steps.v[0], past);
+    }
+    segs.push_back({rows, s.n_new, n_keys, t.data(), s.causal});
+    for (int r = 0; r < s.n_new; ++r) positions.push_back(s.n_past + r), slots.push_back(slot_of(s.n_past + r));
+    rows += s.n_new;
+  }
+  std::vector<float> inv_freq(ac.head_dim / 2);
+  for (int i = 0; i < ac.head_dim / 2; ++i) inv_freq[i] = std::pow(1e6f, -2.0f * i / ac.head_dim);
+  const AttentionParams ap{ac.n_heads, ac.n_kv_heads, ac.head_dim, ac.window, ac.page_size};
+  for (bool with_norm : {false, true}) {
+    auto qkv = random(rows, width, 2.0f), qn = random(1, ac.head_dim), kn = random(1, ac.head_dim);
+    Tensor qkv2 = gpu->upload_host(qkv.host.data(), rows, width);
+    auto out = poisoned(rows, q_dim);
+    Tensor out2 = gpu->alloc(rows, q_dim);
+    const Tensor* qn_g = with_norm ? &qn.g : nullptr;
+    const Tensor* kn_g = with_norm ? &kn.g : nullptr;
+    gpu->qkv_attention(qkv.g, qn_g, kn_g, 1e-6f, inv_freq, slots, fused.k[0], fused.v[0], segs, positions, ap, out.g);
+    gpu->Backend::qkv_attention(qkv2, qn_g, kn_g, 1e-6f, inv_freq, slots, steps.k[0], steps.v[0], segs, positions,
+                                ap, out2);
+    cpu->qkv_attention(qkv.c, with_norm ? &qn.c : nullptr, with_norm ? &kn.c : nullptr, 1e-6f, inv_freq, slots,
+                       cc.k[0], cc.v[0], segs, positions, ap, out.c);
+    const std::string what = with_norm ? "q/k normed" : "no q/k norm";
+    EXPECT_EQ(gpu->to_host(out.g), gpu->to_host(out2)) << what;
+    EXPECT_EQ(gpu->to_host(fused.k[0]), gpu->to_host(steps.k[0])) << what;
+    EXPECT_EQ(gpu->to_host(fused.v[0]), gpu->to_host(steps.v[0])) << what;
+    expect_close(out, "attention output, " + what);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,

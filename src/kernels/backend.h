@@ -151,6 +151,18 @@ class Backend {
   virtual void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
                          const AttentionParams& params, Tensor& out) = 0;
+  // A layer's attention straight from its q/k/v product: qkv_rope_kv_write then attention of
+  // qkv's query heads into out. Each segment's rows must be its last n_rows keys (positions
+  // n_keys - n_rows, ..., n_keys - 1, slots[r] their cache rows). Backends may fuse the steps
+  // (the result must be bit-identical to them); qkv's contents are unspecified afterwards.
+  virtual void qkv_attention(Tensor& qkv, const Tensor* q_norm, const Tensor* k_norm, float eps,
+                             const std::vector<float>& inv_freq, const std::vector<int32_t>& slots, Tensor& k_cache,
+                             Tensor& v_cache, const std::vector<AttentionSegment>& segments,
+                             const std::vector<int32_t>& positions, const AttentionParams& p, Tensor& out) {
+    qkv_rope_kv_write(qkv, p.n_heads, p.n_kv_heads, p.head_dim, q_norm, k_norm, eps, positions, inv_freq, k_cache,
+                      v_cache, slots);
+    attention(qkv.slice_cols(0, int64_t{p.n_heads} * p.head_dim), k_cache, v_cache, segments, positions, p, out);
+  }
   // out[i] = src[rows[i]]  (out may be a column slice of a wider tensor)
   virtual void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) = 0;
   // Index of the largest value per row (first on ties).

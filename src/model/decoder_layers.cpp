@@ -79,11 +79,9 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
       std::swap(cur, next);
       capture(l - 1, *cur);
     }
-    be.qkv_rope_kv_write(qkv, c.n_heads, c.n_kv_heads, c.head_dim, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps,
-                         *in.positions, inv_freq, in.cache->k[l], in.cache->v[l], *in.kv_slots);
-    const Tensor q = qkv.slice_cols(0, q_dim);
-    AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
-    be.attention(q, in.cache->k[l], in.cache->v[l], *in.segments, *in.positions, ap, attn);
+    const AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
+    be.qkv_attention(qkv, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps, inv_freq, *in.kv_slots, in.cache->k[l],
+                     in.cache->v[l], *in.segments, *in.positions, ap, attn);
     be.matmul(attn, w.o, opt(w.o_bias), delta);
     ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps};
     be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), act, &gate_up);

@@ -261,9 +261,12 @@ void launch_combine(const AttnRow* rows, int n_rows, int splits, const AttnShape
 
 bool attention_may_release_early(const void* kernel, int threads, int64_t blocks) {
   static const bool off = env_switch("DFLASH_ATTN_EARLY_RELEASE") == "0";
+  return !off && gpu_holds_grid(kernel, threads, blocks);
+}
+
+bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks) {
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, int64_t> capacity;  // blocks the GPU holds at once
-  if (off) return false;
   std::lock_guard<std::mutex> lock(mu);
   auto it = capacity.find({kernel, threads});
   if (it == capacity.end()) {
@@ -287,18 +290,31 @@ int attention_rows_per_tile(const AttnShape& shape) {
   return heads > 0 ? 16 / heads : 1;
 }
 
+bool attention_fresh_supported(const AttnShape& shp, int n_tiles, int max_keys) {
+  return attention_mma_heads(shp) > 0 && (shp.head_dim == 64 || shp.head_dim == 128) &&
+         attention_mma_fresh_in_one_wave(shp, n_tiles, max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1);
+}
+
+void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
+                            const AttnRow* rows, int n_rows, const AttnTile* tiles, int n_tiles, int max_keys,
+                            const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
+                            cudaStream_t s) {
+  if (n_rows == 0) return;
+  const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
+  bool early = false;
+  launch_attention_mma(q, fresh, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out,
+                       early, s);
+  launch_combine(rows, n_rows, splits, shp, workspace, out, early, s);
+}
+
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
                       const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
                       const AttnShape& shp, float* workspace, Mat out, cudaStream_t s) {
   if (n_rows == 0) return;
+  if (attention_mma_heads(shp) > 0)
+    return launch_attention_fresh(q, AttnFresh{}, k_cache, v_cache, rows, n_rows, tiles, n_tiles, max_keys,
+                                  page_tables, shp, workspace, out, s);
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
-  if (attention_mma_heads(shp) > 0) {
-    bool early = false;
-    launch_attention_mma(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out, early,
-                         s);
-    launch_combine(rows, n_rows, splits, shp, workspace, out, early, s);
-    return;
-  }
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kGroupChunk(group) - 1) / kGroupChunk(group);
   const dim3 grid(static_cast<unsigned>(n_rows * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
   auto run = [&](auto kernel) {

@@ -25,6 +25,7 @@
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/rope_math.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -54,42 +55,106 @@ __device__ __forceinline__ uint4 load16_l2_128(const bf16* p) {
   return v;
 }
 
+// A head held by a quad of lanes (lane qd: dims c * 32 + qd * 8 + (0..7) in x[c]; the head is
+// all kChunks * 32 dims): per-head RMSNorm (norm_w may be null) and RoPE by `rope` (the rope
+// table's row of the position), the arithmetic of launch_qkv_rope_kv_write (rope_math.cuh).
+// Every lane of the warp takes part.
+template <int kChunks>
+__device__ __forceinline__ void norm_rope_quad(uint4 (&x)[kChunks], const bf16* norm_w, float eps,
+                                               const float2* rope, int qd) {
+  constexpr int kHalf = kChunks / 2, kDims = kChunks * 32;
+  auto unpack8 = [](const uint4& u, float (&f)[8]) {
+    const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 t = __bfloat1622float2(h2[j]);
+      f[2 * j] = t.x, f[2 * j + 1] = t.y;
+    }
+  };
+  float v[kChunks][8];
+  uint4 w[kChunks];  // norm weights of the lane's dims, unpacked when used (registers)
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    unpack8(x[c], v[c]);
+    w[c] = norm_w ? __ldg(reinterpret_cast<const uint4*>(norm_w + c * 32 + qd * 8)) : uint4{};
+  }
+  float scale = 1.0f;
+  if (norm_w) {
+    float part = 0.0f;  // pieces 4c + qd in increasing c
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) part = __fadd_rn(part, piece_sumsq(v[c], 8));
+    scale = head_norm_scale(quad_sum_of_parts(part), kDims, eps);
+  }
+  auto weight = [&](int c, int j) { return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&w[c])[j]); };
+#pragma unroll
+  for (int c = 0; c < kHalf; ++c)
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {  // pairs c * 32 + qd * 8 + j, + 1: (cos, sin) of both in one float4
+      const float4 r = __ldg(reinterpret_cast<const float4*>(rope + c * 32 + qd * 8 + j));
+      norm_rotate_pair(v[c][j], v[c + kHalf][j], norm_w != nullptr, weight(c, j), weight(c + kHalf, j), scale, r.x, r.y);
+      norm_rotate_pair(v[c][j + 1], v[c + kHalf][j + 1], norm_w != nullptr, weight(c, j + 1), weight(c + kHalf, j + 1),
+                       scale, r.z, r.w);
+    }
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+    x[c] = make_uint4(pack_bf16(v[c][0], v[c][1]), pack_bf16(v[c][2], v[c][3]), pack_bf16(v[c][4], v[c][5]),
+                      pack_bf16(v[c][6], v[c][7]));
+}
+
 // One block's split: scores, softmax and values for its 16 query vectors (vector g and g + 8
-// of this thread: vrow, vhead, visible keys [lo, hi) of the split, vsplits splits in all),
-// then the warps' merge and the output (one split) or the split's partial (several).
-template <int HD>
-__device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, const bf16* kc, int64_t k_stride,
-                                             const bf16* vc, int64_t v_stride, const AttnRow r0,
-                                             const int32_t* page_tables, const AttnShape& shp, int kv_head, int split,
-                                             const int (&vrow)[2], const int (&vhead)[2], const int (&lo)[2],
-                                             const int (&hi)[2], const int (&vsplits)[2], const bool (&vok)[2],
-                                             float* workspace, int max_splits, bf16* out, int64_t out_stride,
-                                             bf16 (*v_s)[16][HD + 8], float (*other)[4 + HD / 2][32], bool l2_hint) {
+// of this thread: vrow, vhead, vpos, visible keys [lo, hi) of the split, vsplits splits in
+// all), then the warps' merge and the output (one split) or the split's partial (several).
+// With fresh.k: queries and the keys from r0.fresh_begin on come from qkv, normalized and
+// rotated here; a block of the first head chunk writes the new keys of its own tile's rows
+// (`writes`: rows [first, first + n) of the batch) to the cache.
+template <int HD, bool kFused>
+__device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf16* kc, int64_t k_stride, bf16* vc,
+                                             int64_t v_stride, const AttnFresh& fresh, const AttnRow r0,
+                                             const AttnTile writes, const int32_t* page_tables, const AttnShape& shp,
+                                             int kv_head, int split, const int (&vrow)[2], const int (&vhead)[2],
+                                             const int (&vpos)[2], const int (&lo)[2], const int (&hi)[2],
+                                             const int (&vsplits)[2], const bool (&vok)[2], float* workspace,
+                                             int max_splits, bf16* out, int64_t out_stride, bf16 (*v_s)[16][HD + 8],
+                                             float (*other)[4 + HD / 2][32], bf16 (*q_s)[HD + 8], bool l2_hint) {
   constexpr int kChunks = HD / 32;   // 32-dim chunks of the score product
   constexpr int kDimTiles = HD / 8;  // 8-dim tiles of the output
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4, hd = shp.head_dim;
+  constexpr bool fused = kFused;
+  // A key's row of qkv when it is new (fused, from fresh_begin on), else -1; whether this block writes it.
+  auto fresh_row = [&](int key) { return fused && key >= r0.fresh_begin ? r0.fresh_row + key - r0.fresh_begin : -1; };
+  auto writes_row = [&](int row) { return row >= writes.first_row && row < writes.first_row + writes.n_rows; };
 
   // The warp's keys: n-tile t holds keys kbase + 8t + (0..7); this lane loads key kbase + 8t + g.
   const int32_t* pages = page_tables + r0.page_offset;
   const int kbase = split * kAttnSplitKeys + warp * 16;
   int64_t slot[2];
   bool kok[2];
+  int krow[2];
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
     const int key = kbase + 8 * t + g;
     kok[t] = key < r0.n_keys;
     slot[t] = kok[t] ? key_slot(pages, key, shp.page_size) : 0;
+    krow[t] = kok[t] ? fresh_row(key) : -1;
   }
   const int64_t head_off = static_cast<int64_t>(kv_head) * hd;
 
   // V rows of the warp's 16 keys head for shared memory first, then K and Q into registers.
   constexpr int kPieces = 16 * HD / 8;  // 16-byte pieces of the warp's V tile
+  auto v_src = [&](int kr, int part, bool& ok, int& row, int64_t& sl) {
+    const int64_t s0 = __shfl_sync(kFull, slot[0], (kr % 8) * 4), s1 = __shfl_sync(kFull, slot[1], (kr % 8) * 4);
+    sl = kr < 8 ? s0 : s1;
+    ok = kbase + kr < r0.n_keys && part * 8 < hd;
+    row = ok ? fresh_row(kbase + kr) : -1;
+    return !ok ? vc : row >= 0 ? fresh.v + row * fresh.stride + head_off + part * 8 : vc + sl * v_stride + head_off + part * 8;
+  };
 #pragma unroll
   for (int p = lane; p < kPieces; p += 32) {
     const int kr = p / (HD / 8), part = p % (HD / 8);
-    const int64_t s0 = __shfl_sync(kFull, slot[0], (kr % 8) * 4), s1 = __shfl_sync(kFull, slot[1], (kr % 8) * 4);
-    const bool ok = kbase + kr < r0.n_keys && part * 8 < hd;
-    const bf16* src = ok ? vc + (kr < 8 ? s0 : s1) * v_stride + head_off + part * 8 : vc;
+    bool ok;
+    int row;
+    int64_t sl;
+    const bf16* src = v_src(kr, part, ok, row, sl);
     if (l2_hint) cp_async16_hint<128>(&v_s[warp][kr][part * 8], src, ok);
     else cp_async16(&v_s[warp][kr][part * 8], src, ok);
   }
@@ -102,12 +167,52 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, co
     const int d = c * 32 + qd * 8;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const bf16* kp = kc + slot[t] * k_stride + head_off + d;
+      const bf16* kp = krow[t] >= 0 ? fresh.k + krow[t] * fresh.stride + head_off + d : kc + slot[t] * k_stride + head_off + d;
       kb[t][c] = kok[t] && d < hd ? (l2_hint ? load16_l2_128(kp) : load16(kp)) : zero;
     }
+  }
+  auto q_src = [&](int h, int d) { return q + vrow[h] * q_stride + static_cast<int64_t>(vhead[h]) * hd + d; };
+  if constexpr (fused) {
+    // The queries are normalized and rotated once per block, into q_s: quad g of warp h < 2
+    // takes vector g + 8h.
+    if (warp < 2) {
+      const bool second = warp == 1, ok = second ? vok[1] : vok[0];  // (no dynamic index: registers)
+      const bf16* src = q + (second ? vrow[1] : vrow[0]) * q_stride + static_cast<int64_t>(second ? vhead[1] : vhead[0]) * hd;
+      uint4 x[kChunks];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      qa[c][h] = vok[h] && d < hd ? load16(q + vrow[h] * q_stride + static_cast<int64_t>(vhead[h]) * hd + d) : zero;
+      for (int c = 0; c < kChunks; ++c) x[c] = ok ? load16(src + c * 32 + qd * 8) : zero;
+      norm_rope_quad<kChunks>(x, fresh.q_norm, fresh.eps, fresh.rope + int64_t{second ? vpos[1] : vpos[0]} * (HD / 2), qd);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) *reinterpret_cast<uint4*>(&q_s[g + 8 * warp][c * 32 + qd * 8]) = x[c];
+    }
+    // New keys, each by the quad that loaded it; written to the cache by the block that owns its row.
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (!__any_sync(kFull, krow[t] >= 0)) continue;
+      uint4 x[kChunks];
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) x[c] = kb[t][c];
+      const int key = krow[t] >= 0 ? kbase + 8 * t + g : 0;
+      norm_rope_quad<kChunks>(x, fresh.k_norm, fresh.eps, fresh.rope + int64_t{key} * (HD / 2), qd);
+      if (krow[t] < 0) continue;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) kb[t][c] = x[c];
+      if (writes_row(krow[t])) {
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+          *reinterpret_cast<uint4*>(kc + slot[t] * k_stride + head_off + c * 32 + qd * 8) = x[c];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) qa[c][h] = *reinterpret_cast<const uint4*>(&q_s[g + 8 * h][c * 32 + qd * 8]);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) qa[c][h] = vok[h] && c * 32 + qd * 8 < hd ? load16(q_src(h, c * 32 + qd * 8)) : zero;
   }
 
   // Scores: sc[t] = (vector g, keys 8t + 2qd + {0, 1}) and (vector g + 8, the same keys).
@@ -160,6 +265,19 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, co
   float acc[kDimTiles][4] = {};
   cp_async_wait<0>();
   __syncwarp();
+  if constexpr (fused) {  // new value rows this block owns go to the cache from the tile
+#pragma unroll
+    for (int p = lane; p < kPieces; p += 32) {
+      const int kr = p / (HD / 8), part = p % (HD / 8);
+      bool ok;
+      int row;
+      int64_t sl;
+      v_src(kr, part, ok, row, sl);
+      if (row >= 0 && writes_row(row))
+        *reinterpret_cast<uint4*>(vc + sl * v_stride + head_off + part * 8) =
+            *reinterpret_cast<const uint4*>(&v_s[warp][kr][part * 8]);
+    }
+  }
 #pragma unroll
   for (int np = 0; np < HD / 16; ++np) {
     uint32_t b[4];
@@ -225,10 +343,10 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, co
 
 // HD: head_dim rounded up to 64 or 128. `heads` query heads of a KV head's group per block
 // (the group, or chunks of 16), 16 / heads rows per tile.
-template <int HD>
+template <int HD, bool kFused>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_mma_kernel(const bf16* q, int64_t q_stride, const bf16* kc, int64_t k_stride, const bf16* vc,
-                         int64_t v_stride, const AttnRow* rows, const AttnTile* tiles, const int32_t* page_tables,
+    attention_mma_kernel(const bf16* q, int64_t q_stride, bf16* kc, int64_t k_stride, bf16* vc, int64_t v_stride,
+                         AttnFresh fresh, const AttnRow* rows, const AttnTile* tiles, const int32_t* page_tables,
                          AttnShape shp, int heads, float* workspace, int max_splits, bf16* out, int64_t out_stride,
                          int release_early, int l2_hint) {
   constexpr int kVRow = HD + 8;      // padded: the 8 rows an ldmatrix reads fall on different banks
@@ -238,6 +356,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   // blocks of the product after it (released early) fit an SM beside one of these.
   constexpr size_t kVBytes = sizeof(bf16) * kWarps * 16 * kVRow, kOtherBytes = sizeof(float) * (kWarps - 1) * kState * 32;
   __shared__ __align__(16) unsigned char smem[kVBytes > kOtherBytes ? kVBytes : kOtherBytes];
+  __shared__ __align__(16) bf16 q_s[kFused ? kVecs : 1][kVRow];  // the fused form's rotated queries
   auto v_s = reinterpret_cast<bf16(*)[16][kVRow]>(smem);
   auto other = reinterpret_cast<float(*)[kState][32]>(smem);
   // A grid larger than the GPU releases the next kernel only when its blocks are done (below):
@@ -245,8 +364,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   // blocks (a product then runs on part of the GPU: measured, plain batch 32 10.0 -> 12.7 ms).
   // A grid that the GPU holds at once releases it at the start: every block of this kernel is
   // placed by then, and the product after the combine streams its first weights meanwhile.
-  if (release_early) pdl_release();
+  // The fused form's predecessor is the q/k/v product itself: released after the wait
+  // (release_early == 2), its successors start streaming when that product is done.
+  if (release_early == 1) pdl_release();
   pdl_wait();
+  if (release_early == 2) pdl_release();
 
   const int g = threadIdx.x % 32 / 4;
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + heads - 1) / heads;
@@ -256,6 +378,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   // This thread's two query vectors, g and g + 8 (vector i = row i / heads, head i % heads).
   int vrow[2], vhead[2], lo[2], hi[2], vsplits[2];
+  int vpos[2];
   bool vok[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -263,19 +386,31 @@ __global__ void __launch_bounds__(kWarps * 32)
     vok[h] = ri < tile_rows && ri < tile.n_rows && hj < group;
     vrow[h] = tile.first_row + (vok[h] ? ri : 0);
     vhead[h] = kv_head * group + hj;
-    const Visible vis = visible_keys(rows[vrow[h]], shp.sliding_window);
+    const AttnRow& rv = rows[vrow[h]];
+    vpos[h] = rv.position;
+    const Visible vis = visible_keys(rv, shp.sliding_window);
     vsplits[h] = vok[h] ? max(n_splits_of(vis), 1) : 0;  // a row with no keys still writes its zeros
     lo[h] = max(vis.begin, split * kAttnSplitKeys);
     hi[h] = vok[h] ? min(vis.end, (split + 1) * kAttnSplitKeys) : lo[h];
   }
   // Blocks of splits that no vector of the tile has skip the work.
   if (__syncthreads_or(split < vsplits[0] || split < vsplits[1]))
-    attend_split<HD>(q, q_stride, kc, k_stride, vc, v_stride, rows[tile.first_row], page_tables, shp, kv_head, split,
-                     vrow, vhead, lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, other, l2_hint != 0);
+    attend_split<HD, kFused>(q, q_stride, kc, k_stride, vc, v_stride, fresh, rows[tile.first_row],
+                     chunk == 0 ? tile : AttnTile{0, 0}, page_tables, shp, kv_head, split, vrow, vhead, vpos, lo, hi,
+                     vsplits, vok, workspace, max_splits, out, out_stride, v_s, other, q_s, l2_hint != 0);
 
   if (!release_early) pdl_release();
 }
 
+}  // namespace
+
+namespace {
+// (tiles x KV heads x head chunks, splits)
+dim3 grid_of(const AttnShape& shp, int n_tiles, int splits) {
+  const int heads = attention_mma_heads(shp), group = shp.n_heads / shp.n_kv_heads;
+  const int chunks = (group + heads - 1) / heads;
+  return dim3(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
+}
 }  // namespace
 
 int attention_mma_heads(const AttnShape& shp) {
@@ -284,24 +419,36 @@ int attention_mma_heads(const AttnShape& shp) {
   return std::min(shp.n_heads / shp.n_kv_heads, kVecs);
 }
 
-void launch_attention_mma(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
-                          const AttnTile* tiles, int n_tiles, int splits, const int32_t* page_tables,
-                          const AttnShape& shp, float* workspace, Mat out, bool& released_early,
-                          cudaStream_t s) {
+void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
+                          const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
+                          const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
+                          bool& released_early, cudaStream_t s) {
   // Key and value rows are read with a 128-byte L2 prefetch hint (H100, context 2048, batch 32:
   // 11.62 -> 11.45 ms a plain step; no change at batch 1); DFLASH_ATTN_L2_HINT=0 turns it off.
   static const int l2_hint = env_switch("DFLASH_ATTN_L2_HINT") != "0";
-  const int heads = attention_mma_heads(shp), group = shp.n_heads / shp.n_kv_heads;
-  const int chunks = (group + heads - 1) / heads;
-  const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
+  static const bool fresh_release_after_wait = env_switch("DFLASH_FRESH_RELEASE") != "before";
+  const dim3 grid = grid_of(shp, n_tiles, splits);
+  const int heads = attention_mma_heads(shp);
   auto run = [&](auto kernel) {
     released_early = attention_may_release_early(reinterpret_cast<const void*>(kernel), kWarps * 32, int64_t{grid.x} * grid.y);
     launch(kernel, grid, kWarps * 32, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
-           v_cache.stride, rows, tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride,
-           released_early ? 1 : 0, l2_hint);
+           v_cache.stride, fresh, rows, tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride,
+           released_early ? (fresh.k && fresh_release_after_wait ? 2 : 1) : 0, l2_hint);
   };
-  if (shp.head_dim <= 64) run(attention_mma_kernel<64>);
-  else run(attention_mma_kernel<128>);
+  if (fresh.k) {
+    if (shp.head_dim <= 64) run(attention_mma_kernel<64, true>);
+    else run(attention_mma_kernel<128, true>);
+  } else {
+    if (shp.head_dim <= 64) run(attention_mma_kernel<64, false>);
+    else run(attention_mma_kernel<128, false>);
+  }
+}
+
+bool attention_mma_fresh_in_one_wave(const AttnShape& shp, int n_tiles, int splits) {
+  const dim3 grid = grid_of(shp, n_tiles, splits);
+  const void* kernel = shp.head_dim <= 64 ? reinterpret_cast<const void*>(attention_mma_kernel<64, true>)
+                                          : reinterpret_cast<const void*>(attention_mma_kernel<128, true>);
+  return gpu_holds_grid(kernel, kWarps * 32, int64_t{grid.x} * grid.y);
 }
 
 }  // namespace dflash::cuda

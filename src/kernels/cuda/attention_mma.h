@@ -14,11 +14,19 @@ int attention_mma_heads(const AttnShape& shape);
 // turns it off, for A/B timings).
 bool attention_may_release_early(const void* kernel, int threads, int64_t blocks);
 
+// Whether the GPU holds `blocks` blocks of `threads` of `kernel` at once (occupancy x SMs).
+bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks);
+
+// Whether the fused form's grid for n_tiles tiles fits the GPU at once: it repeats the query
+// rotation in every split, which pays (against a kernel less) only while the grid is one wave.
+bool attention_mma_fresh_in_one_wave(const AttnShape& shape, int n_tiles, int splits);
+
 // Partial results of rows with several splits go to `workspace` for the combine kernel.
-// released_early: set to whether the kernel releases its successor at its start.
-void launch_attention_mma(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
-                          const AttnTile* tiles, int n_tiles, int splits, const int32_t* page_tables,
-                          const AttnShape& shape, float* workspace, Mat out, bool& released_early,
-                          cudaStream_t s);
+// released_early: set to whether the kernel releases its successor at its start. With
+// fresh.k, the fused form (launch.h's AttnFresh; head_dim 64 or 128).
+void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
+                          const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
+                          const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
+                          bool& released_early, cudaStream_t s);
 
 }  // namespace dflash::cuda

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -113,6 +114,8 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaStreamSynchronize(s_);
     for (auto& [k, p] : inv_freq_) cudaFree(p);
+    for (auto& [f, tables] : rope_tables_)
+      for (auto& [t, n] : tables) cudaFree(t);
     cudaFreeHost(argmax_host_);
     cudaFree(argmax_out_);
   }
@@ -447,37 +450,42 @@ class CudaBackend final : public Backend {
   void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                  const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
                  const AttentionParams& p, Tensor& out) override {
-    check(p.head_dim % 8 == 0 && p.head_dim <= 256, "cuda backend: head_dim ", p.head_dim,
-          " is not supported (multiple of 8, <= 256)");
-    check(p.n_kv_heads > 0 && p.n_heads % p.n_kv_heads == 0, "cuda backend: heads do not form GQA groups");
+    run_attention(q, nullptr, k_cache, v_cache, segments, positions, p, out);
+  }
+
+  // The fused form (launch.h's AttnFresh) where the shape has it and the batch is laid out as
+  // the contract says; the separate steps otherwise.
+  void qkv_attention(Tensor& qkv, const Tensor* q_norm, const Tensor* k_norm, float eps,
+                     const std::vector<float>& inv_freq, const std::vector<int32_t>& slots, Tensor& k_cache,
+                     Tensor& v_cache, const std::vector<AttentionSegment>& segments,
+                     const std::vector<int32_t>& positions, const AttentionParams& p, Tensor& out) override {
+    static const bool off = cuda::env_switch("DFLASH_FUSED_QKV_ATTENTION") == "0";
+    const int64_t q_dim = int64_t{p.n_heads} * p.head_dim, kv_dim = int64_t{p.n_kv_heads} * p.head_dim;
     const cuda::AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
+    auto separate = [&] {
+      Backend::qkv_attention(qkv, q_norm, k_norm, eps, inv_freq, slots, k_cache, v_cache, segments, positions, p, out);
+    };
+    if (off || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 || qkv.cols != q_dim + 2 * kv_dim ||
+        static_cast<int>(inv_freq.size()) != p.head_dim / 2 ||
+        !rows_are_last_keys(segments, positions, slots, p.page_size, qkv.rows))
+      return separate();
     const int tile_rows = cuda::attention_rows_per_tile(shape);
-    std::vector<cuda::AttnRow> rows(static_cast<size_t>(q.rows));
-    std::vector<cuda::AttnTile> tiles;
-    std::vector<int32_t> tables;
-    int max_keys = 0;
+    int n_tiles = 0, max_keys = 0;
     for (const auto& seg : segments) {
-      const int n_table = (seg.n_keys + p.page_size - 1) / p.page_size;
-      const auto offset = static_cast<int32_t>(tables.size());
-      tables.insert(tables.end(), seg.page_table, seg.page_table + n_table);
-      for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; ++r) {
-        rows[r] = {positions[r], seg.n_keys, seg.causal ? 1 : 0, offset};
-      }
-      for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; r += tile_rows) {
-        tiles.push_back({r, std::min(tile_rows, seg.first_row + seg.n_rows - r)});
-      }
+      n_tiles += (seg.n_rows + tile_rows - 1) / tile_rows;
       max_keys = std::max(max_keys, seg.n_keys);
     }
-    if (tables.empty()) tables.push_back(0);
-    if (tiles.empty()) tiles.push_back({0, 0});
-    const int64_t ws = cuda::attention_workspace_bytes(static_cast<int>(q.rows), max_keys, shape);
-    float* workspace = static_cast<float*>(workspace_for(ws));
-    const auto* d_rows = static_cast<const cuda::AttnRow*>(stage_bytes(rows.data(), rows.size() * sizeof(rows[0])));
-    const auto* d_tiles =
-        static_cast<const cuda::AttnTile*>(stage_bytes(tiles.data(), tiles.size() * sizeof(tiles[0])));
-    cuda::launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows), d_tiles,
-                           static_cast<int>(tiles.size()), max_keys, stage(tables), shape, workspace, mat(out), s_);
-    CUDA_CHECK_LAUNCH();
+    if (!cuda::attention_fresh_supported(shape, n_tiles, max_keys)) return separate();
+    const float2* rope = rope_table(inv_freq, max_keys - 1);
+    if (!rope) {  // a capture needs a larger table than there is
+      Backend::qkv_attention(qkv, q_norm, k_norm, eps, inv_freq, slots, k_cache, v_cache, segments, positions, p, out);
+      return;
+    }
+    for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
+    auto ptr = [](const Tensor* t) { return t ? static_cast<const bf16*>(t->data) : nullptr; };
+    const bf16* base = static_cast<const bf16*>(qkv.data);
+    const cuda::AttnFresh fresh{base + q_dim, base + q_dim + kv_dim, qkv.stride, ptr(q_norm), ptr(k_norm), eps, rope};
+    run_attention(qkv.slice_cols(0, q_dim), &fresh, k_cache, v_cache, segments, positions, p, out);
   }
 
   void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) override {
@@ -506,6 +514,65 @@ class CudaBackend final : public Backend {
 
  private:
   static constexpr int64_t kArgmaxCap = cuda::kArgmaxMaxRows;
+
+  // Whether each segment's rows are its last keys, in order, with the slots its page table gives.
+  static bool rows_are_last_keys(const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
+                                 const std::vector<int32_t>& slots, int page_size, int64_t n_rows) {
+    if (static_cast<int64_t>(positions.size()) != n_rows || static_cast<int64_t>(slots.size()) != n_rows) return false;
+    for (const auto& seg : segments) {
+      if (seg.n_rows < 0 || seg.n_keys < seg.n_rows || seg.first_row < 0 || seg.first_row + seg.n_rows > n_rows)
+        return false;
+      for (int32_t i = 0; i < seg.n_rows; ++i) {
+        const int32_t pos = seg.n_keys - seg.n_rows + i, r = seg.first_row + i;
+        if (positions[r] != pos || slots[r] != seg.page_table[pos / page_size] * page_size + pos % page_size)
+          return false;
+      }
+    }
+    return true;
+  }
+
+  // Attention of q's rows (with fresh: the fused form, q being qkv's query heads).
+  void run_attention(const Tensor& q, const cuda::AttnFresh* fresh, const Tensor& k_cache, const Tensor& v_cache,
+                     const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
+                     const AttentionParams& p, Tensor& out) {
+    check(p.head_dim % 8 == 0 && p.head_dim <= 256, "cuda backend: head_dim ", p.head_dim,
+          " is not supported (multiple of 8, <= 256)");
+    check(p.n_kv_heads > 0 && p.n_heads % p.n_kv_heads == 0, "cuda backend: heads do not form GQA groups");
+    const cuda::AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
+    const int tile_rows = cuda::attention_rows_per_tile(shape);
+    std::vector<cuda::AttnRow> rows(static_cast<size_t>(q.rows));
+    std::vector<cuda::AttnTile> tiles;
+    std::vector<int32_t> tables;
+    int max_keys = 0;
+    for (const auto& seg : segments) {
+      const int n_table = (seg.n_keys + p.page_size - 1) / p.page_size;
+      const auto offset = static_cast<int32_t>(tables.size());
+      tables.insert(tables.end(), seg.page_table, seg.page_table + n_table);
+      const int32_t fresh_begin = fresh ? seg.n_keys - seg.n_rows : std::numeric_limits<int32_t>::max();
+      for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; ++r) {
+        rows[r] = {positions[r], seg.n_keys, seg.causal ? 1 : 0, offset, fresh_begin, seg.first_row};
+      }
+      for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; r += tile_rows) {
+        tiles.push_back({r, std::min(tile_rows, seg.first_row + seg.n_rows - r)});
+      }
+      max_keys = std::max(max_keys, seg.n_keys);
+    }
+    if (tables.empty()) tables.push_back(0);
+    if (tiles.empty()) tiles.push_back({0, 0});
+    const int64_t ws = cuda::attention_workspace_bytes(static_cast<int>(q.rows), max_keys, shape);
+    float* workspace = static_cast<float*>(workspace_for(ws));
+    const auto* d_rows = static_cast<const cuda::AttnRow*>(stage_bytes(rows.data(), rows.size() * sizeof(rows[0])));
+    const auto* d_tiles =
+        static_cast<const cuda::AttnTile*>(stage_bytes(tiles.data(), tiles.size() * sizeof(tiles[0])));
+    if (fresh)
+      cuda::launch_attention_fresh(mat(q), *fresh, mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows),
+                                   d_tiles, static_cast<int>(tiles.size()), max_keys, stage(tables), shape, workspace,
+                                   mat(out), s_);
+    else
+      cuda::launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows), d_tiles,
+                             static_cast<int>(tiles.size()), max_keys, stage(tables), shape, workspace, mat(out), s_);
+    CUDA_CHECK_LAUNCH();
+  }
 
   const int32_t* stage(const std::vector<int32_t>& v) {
     return static_cast<const int32_t*>(stage_bytes(v.data(), v.size() * sizeof(int32_t)));
@@ -563,6 +630,24 @@ class CudaBackend final : public Backend {
     return attn_ws_.data;
   }
 
+  // The RoPE table (launch_rope_table) of inv_freq for positions 0..max_position: grown in
+  // powers of two outside captures (a captured graph may still read an older table, so none
+  // is freed); null inside a capture that needs more than there is.
+  const float2* rope_table(const std::vector<float>& inv_freq, int max_position) {
+    const float* f = device_inv_freq(inv_freq);
+    auto& tables = rope_tables_[f];
+    if (!tables.empty() && tables.back().second > max_position) return tables.back().first;
+    if (capturing_) return nullptr;
+    int n = 4096;
+    while (n <= max_position) n *= 2;
+    float2* t = nullptr;
+    CUDA_CHECK(cudaMalloc(&t, sizeof(float2) * n * inv_freq.size()));
+    cuda::launch_rope_table(t, n, static_cast<int>(inv_freq.size()), f, s_);
+    CUDA_CHECK_LAUNCH();
+    tables.emplace_back(t, n);
+    return t;
+  }
+
   const float* device_inv_freq(const std::vector<float>& f) {
     auto it = inv_freq_.find(f);
     if (it != inv_freq_.end()) return it->second;
@@ -590,6 +675,7 @@ class CudaBackend final : public Backend {
   void* capture_ws_ = nullptr;
   int64_t capture_ws_bytes_ = 0;
   std::map<std::vector<float>, float*> inv_freq_;
+  std::map<const float*, std::vector<std::pair<float2*, int>>> rope_tables_;  // per inv_freq: (table, positions)
   Tensor attn_ws_;
   int32_t* argmax_host_ = nullptr;
   int32_t* argmax_out_ = nullptr;  // kArgmaxCap results, then the argmax workspace

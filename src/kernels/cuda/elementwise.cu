@@ -9,6 +9,7 @@
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/rope_math.cuh"
 #include "kernels/cuda/row_norm.cuh"
 
 namespace dflash::cuda {
@@ -94,42 +95,46 @@ constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
 
 // One warp normalizes and rotates one head of head_dim values read from src:
 // lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ... . The
-// result goes to dst (may alias src) and, when dst2 is set, also to dst2.
+// result goes to dst (may alias src) and, when dst2 is set, also to dst2. The
+// sum of squares goes in rope_math.cuh's order: lane l sums piece l.
 __device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16* dst2, int head_dim,
                                                const bf16* norm_w, float eps, float pos, const float* inv_freq,
                                                int lane) {
   const int half = head_dim / 2;
   float a[kMaxPairsPerLane], b[kMaxPairsPerLane];
-  float ss = 0.0f;
 #pragma unroll
   for (int p = 0; p < kMaxPairsPerLane; ++p) {
     const int i = lane + 32 * p;
     a[p] = i < half ? ld(src + i) : 0.0f;
     b[p] = i < half ? ld(src + i + half) : 0.0f;
-    ss += a[p] * a[p] + b[p] * b[p];
   }
+  float scale = 1.0f;
   if (norm_w) {
-    const float scale = rsqrtf(warp_sum(ss) / static_cast<float>(head_dim) + eps);
+    float piece[8];
 #pragma unroll
-    for (int p = 0; p < kMaxPairsPerLane; ++p) {
-      const int i = lane + 32 * p;
-      if (i >= half) continue;
-      a[p] = ld(norm_w + i) * (a[p] * scale);
-      b[p] = ld(norm_w + i + half) * (b[p] * scale);
+    for (int j = 0; j < 8; ++j) piece[j] = 8 * lane + j < head_dim ? ld(src + 8 * lane + j) : 0.0f;
+    const float mine = piece_sumsq(piece, 8);  // zeros past the head add nothing
+    float part = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {  // pieces c * 4 + lane % 4, in increasing order
+      const float v = __shfl_sync(kFull, mine, 4 * c + lane % 4);
+      if (8 * (4 * c + lane % 4) < head_dim) part = __fadd_rn(part, v);
     }
+    scale = head_norm_scale(quad_sum_of_parts(part), head_dim, eps);
   }
 #pragma unroll
   for (int p = 0; p < kMaxPairsPerLane; ++p) {
     const int i = lane + 32 * p;
     if (i >= half) continue;
-    float sn, cs;
-    sincosf(pos * inv_freq[i], &sn, &cs);
-    const float lo = a[p] * cs - b[p] * sn, hi = b[p] * cs + a[p] * sn;
-    st(dst + i, lo);
-    st(dst + i + half, hi);
+    float cs, sn;
+    rope_cos_sin(pos, inv_freq[i], cs, sn);
+    norm_rotate_pair(a[p], b[p], norm_w != nullptr, norm_w ? ld(norm_w + i) : 0.0f,
+                     norm_w ? ld(norm_w + i + half) : 0.0f, scale, cs, sn);
+    st(dst + i, a[p]);
+    st(dst + i + half, b[p]);
     if (dst2) {
-      st(dst2 + i, lo);
-      st(dst2 + i + half, hi);
+      st(dst2 + i, a[p]);
+      st(dst2 + i + half, b[p]);
     }
   }
 }
@@ -172,6 +177,17 @@ __global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads,
   norm_rope_head(k, k, kc + slot * kc_stride + off, head_dim, k_norm, eps, pos, inv_freq, lane);
   const bf16* v = x + q_dim + kv_dim + off;
   for (int i = lane; i < head_dim; i += 32) vc[slot * vc_stride + off + i] = v[i];
+}
+
+// table[p * half + i] = (cos, sin) of position p's rotation of pair i.
+__global__ void rope_table_kernel(float2* table, int64_t n, int half, const float* inv_freq) {
+  pdl_begin();
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float cs, sn;
+    rope_cos_sin(static_cast<float>(e / half), inv_freq[e % half], cs, sn);
+    table[e] = make_float2(cs, sn);
+  }
 }
 
 __global__ void swiglu_kernel(const bf16* gu, int64_t gu_stride, int64_t n, bf16* out, int64_t out_stride) {
@@ -374,6 +390,12 @@ void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim
   launch(qkv_rope_kv_write_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s,
          qkv.data, qkv.stride, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, positions, inv_freq,
          k_cache.data, k_cache.stride, v_cache.data, v_cache.stride, slots, n_items);
+}
+
+void launch_rope_table(float2* table, int n_positions, int half, const float* inv_freq, cudaStream_t s) {
+  const int64_t n = int64_t{n_positions} * half;
+  if (n == 0) return;
+  launch(rope_table_kernel, grid_for(n, 256, 4096), 256, s, table, n, half, inv_freq);
 }
 
 // Row-indexed grids put rows on gridDim.y (at most 65535 per launch).

@@ -45,6 +45,9 @@ void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w,
 void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim, const bf16* q_norm,
                               const bf16* k_norm, float eps, const int32_t* positions, const float* inv_freq,
                               Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s);
+// table[p * half + i] = (cos, sin) of the RoPE angle p * inv_freq[i] for positions p < n_positions,
+// as launch_head_norm_rope computes it (the fused attention reads it: AttnFresh).
+void launch_rope_table(float2* table, int n_positions, int half, const float* inv_freq, cudaStream_t s);
 // out = silu(gate_up[:, :n]) * gate_up[:, n:], n = out.cols
 void launch_swiglu(const Mat& gate_up, Mat out, cudaStream_t s);
 // k_cache[slots[r]] = k[r]; v_cache[slots[r]] = v[r]
@@ -103,6 +106,22 @@ struct AttnRow {
   int32_t n_keys;      // keys 0..n_keys-1 of its sequence exist
   int32_t causal;      // 1: keys <= position only
   int32_t page_offset; // start of its sequence's page table in the page-table array
+  // With AttnFresh: keys from fresh_begin on are rows fresh_row, fresh_row + 1, ... of qkv.
+  int32_t fresh_begin, fresh_row;
+};
+
+// The new keys and values of a fused call (launch_attention with qkv = [q | k | v] rows): the
+// attention normalizes and rotates the query heads and the new key heads itself (as
+// launch_qkv_rope_kv_write, bit for bit), reads the new keys and values from qkv and writes
+// them to the cache. k == nullptr: every key is in the cache and q is used as it is.
+struct AttnFresh {
+  const bf16* k = nullptr;  // qkv's first k head
+  const bf16* v = nullptr;  // qkv's first v head
+  int64_t stride = 0;       // qkv's row stride
+  const bf16* q_norm = nullptr;
+  const bf16* k_norm = nullptr;
+  float eps = 0.0f;
+  const float2* rope = nullptr;  // launch_rope_table's table, covering every position of the call
 };
 
 struct AttnShape {
@@ -126,5 +145,12 @@ int attention_rows_per_tile(const AttnShape& shape);
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
                       const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
                       const AttnShape& shape, float* workspace, Mat out, cudaStream_t s);
+// The fused form (AttnFresh) exists for head_dim 64 and 128 on the tensor-core kernel, and is
+// taken while its grid (n_tiles tiles of attention_rows_per_tile rows) fits the GPU at once.
+bool attention_fresh_supported(const AttnShape& shape, int n_tiles, int max_keys);
+void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
+                            const AttnRow* rows, int n_rows, const AttnTile* tiles, int n_tiles, int max_keys,
+                            const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
+                            cudaStream_t s);
 
 }  // namespace dflash::cuda

@@ -148,16 +148,22 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
     row = ok ? fresh_row(kbase + kr) : -1;
     return !ok ? vc : row >= 0 ? fresh.v + row * fresh.stride + head_off + part * 8 : vc + sl * v_stride + head_off + part * 8;
   };
+  // f(kr, part, src, ok, row, slot) for each of this lane's pieces of the warp's V tile.
+  auto for_v_pieces = [&](auto f) {
 #pragma unroll
-  for (int p = lane; p < kPieces; p += 32) {
-    const int kr = p / (HD / 8), part = p % (HD / 8);
-    bool ok;
-    int row;
-    int64_t sl;
-    const bf16* src = v_src(kr, part, ok, row, sl);
+    for (int p = lane; p < kPieces; p += 32) {
+      const int kr = p / (HD / 8), part = p % (HD / 8);
+      bool ok;
+      int row;
+      int64_t sl;
+      const bf16* src = v_src(kr, part, ok, row, sl);
+      f(kr, part, src, ok, row, sl);
+    }
+  };
+  for_v_pieces([&](int kr, int part, const bf16* src, bool ok, int, int64_t) {
     if (l2_hint) cp_async16_hint<128>(&v_s[warp][kr][part * 8], src, ok);
     else cp_async16(&v_s[warp][kr][part * 8], src, ok);
-  }
+  });
   cp_async_commit();
 
   uint4 kb[2][kChunks], qa[kChunks][2];
@@ -266,17 +272,11 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   cp_async_wait<0>();
   __syncwarp();
   if constexpr (fused) {  // new value rows this block owns go to the cache from the tile
-#pragma unroll
-    for (int p = lane; p < kPieces; p += 32) {
-      const int kr = p / (HD / 8), part = p % (HD / 8);
-      bool ok;
-      int row;
-      int64_t sl;
-      v_src(kr, part, ok, row, sl);
+    for_v_pieces([&](int kr, int part, const bf16*, bool, int row, int64_t sl) {
       if (row >= 0 && writes_row(row))
         *reinterpret_cast<uint4*>(vc + sl * v_stride + head_off + part * 8) =
             *reinterpret_cast<const uint4*>(&v_s[warp][kr][part * 8]);
-    }
+    });
   }
 #pragma unroll
   for (int np = 0; np < HD / 16; ++np) {

@@ -127,15 +127,6 @@ class Backend {
     if (gate_up) matmul_swiglu(h, w, bias, *gate_up, out);
     else matmul(h, w, bias, out);
   }
-  // A product whose output is the delta of the next norm (next.delta == &out; next.residual_out
-  // may be next.residual here): out = x * w^T + bias; a backend may also do norm_in(next) into h
-  // in the same step and then returns true (the caller uses h as it is), else it returns false
-  // and has written out only. Bit-identical to the separate steps.
-  virtual bool matmul_norm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out,
-                           const ResidualNorm& next, Tensor& h) {
-    matmul(x, w, bias, out);
-    return false;
-  }
   void norm_in(const ResidualNorm& n, Tensor& h) {
     if (n.delta) add_rms_norm(*n.residual, *n.delta, *n.residual_out, *n.weight, n.eps, h);
     else rms_norm(*n.residual, *n.weight, n.eps, h);

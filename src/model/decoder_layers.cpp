@@ -70,14 +70,11 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
       be.gather_rows(out, all_rows, dst);
     }
   };
-  // h_ready: the product before has already normalized this layer's input into h (matmul_norm).
-  bool h_ready = false;
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
     // delta holds the previous layer's MLP output, not yet added to the stream.
     ResidualNorm attn_in{cur, l > 0 ? &delta : nullptr, l > 0 ? next : nullptr, &w.attn_norm, c.rms_norm_eps};
-    if (h_ready) be.matmul(h, w.qkv, opt(w.qkv_bias), qkv);
-    else be.norm_matmul(attn_in, h, w.qkv, opt(w.qkv_bias), qkv);
+    be.norm_matmul(attn_in, h, w.qkv, opt(w.qkv_bias), qkv);
     if (l > 0) {
       std::swap(cur, next);
       capture(l - 1, *cur);
@@ -85,18 +82,13 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     const AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
     be.qkv_attention(qkv, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps, inv_freq, *in.kv_slots, in.cache->k[l],
                      in.cache->v[l], *in.segments, *in.positions, ap, attn);
+    be.matmul(attn, w.o, opt(w.o_bias), delta);
     ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps};
-    if (be.matmul_norm(attn, w.o, opt(w.o_bias), delta, mlp_in, h))
-      be.matmul_swiglu(h, w.gate_up, opt(w.gate_up_bias), gate_up, act);
-    else
-      be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), act, &gate_up);
+    be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), act, &gate_up);
     std::swap(cur, next);
-    // The last layer's output goes to x, normalized by the final norm.
-    const bool last = l + 1 == layers.size();
-    ResidualNorm out_in{cur, &delta, last ? &x : next, last ? &final_norm : &layers[l + 1].attn_norm, c.rms_norm_eps};
-    h_ready = be.matmul_norm(act, w.down, opt(w.down_bias), delta, out_in, h);
+    be.matmul(act, w.down, opt(w.down_bias), delta);
   }
-  if (!h_ready) be.add_rms_norm(*cur, delta, x, final_norm, c.rms_norm_eps, h);  // x is the last layer's output
+  be.add_rms_norm(*cur, delta, x, final_norm, c.rms_norm_eps, h);  // x is the last layer's output
   capture(layers.size() - 1, x);
   return h;
 }

@@ -110,10 +110,6 @@ class CudaBackend final : public Backend {
     const size_t argmax_bytes = sizeof(int32_t) * kArgmaxCap + cuda::argmax_workspace_bytes();
     CUDA_CHECK(cudaMalloc(&argmax_out_, argmax_bytes));
     CUDA_CHECK(cudaMemset(argmax_out_, 0, argmax_bytes));  // the workspace's row counters start at zero
-    const int64_t partials = cuda::out_norm_partials_bytes();
-    CUDA_CHECK(cudaMalloc(&out_norm_partials_, partials + 2 * sizeof(unsigned)));
-    out_norm_barrier_ = reinterpret_cast<unsigned*>(reinterpret_cast<char*>(out_norm_partials_) + partials);
-    CUDA_CHECK(cudaMemset(out_norm_barrier_, 0, 2 * sizeof(unsigned)));  // a grid barrier starts at zero
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(s_);
@@ -122,7 +118,6 @@ class CudaBackend final : public Backend {
       for (auto& [t, n] : tables) cudaFree(t);
     cudaFreeHost(argmax_host_);
     cudaFree(argmax_out_);
-    cudaFree(out_norm_partials_);
   }
 
   bool supports_graphs() const override { return true; }
@@ -370,38 +365,6 @@ class CudaBackend final : public Backend {
     cuda::launch_skinny_gemm_norm(rn, n.residual->rows, mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr,
                                   mat(out), gate_up != nullptr, props_.multiProcessorCount, s_);
     CUDA_CHECK_LAUNCH();
-  }
-
-  // More rows than a normalizing product holds (verification, draft blocks, batches): the product
-  // before the norm normalizes its own output, one kernel instead of two.
-  bool matmul_norm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, const ResidualNorm& next,
-                   Tensor& h) override {
-    static const bool off = cuda::env_switch("DFLASH_OUT_NORM") == "0";
-    const Tensor& r = *next.residual;
-    const bool shapes = next.delta == &out && x.dtype == DType::BF16 && w.dtype == DType::BF16 &&
-                        out.dtype == DType::BF16 && h.dtype == DType::BF16 && r.dtype == DType::F32 &&
-                        next.residual_out->dtype == DType::F32 && next.weight->dtype == DType::BF16 &&
-                        x.cols == w.cols && out.rows == x.rows && out.cols == w.rows && r.rows == x.rows &&
-                        r.cols == w.rows && next.residual_out->rows == x.rows && next.residual_out->cols == w.rows &&
-                        h.rows == x.rows && h.cols == w.rows && next.weight->cols == w.rows;
-    if (off || !shapes || cuda::norm_fits_product(x.rows, w.rows)) return Backend::matmul_norm(x, w, bias, out, next, h);
-    cuda::OutNorm on;
-    on.residual = static_cast<const float*>(r.data);
-    on.residual_stride = r.stride;
-    on.residual_out = static_cast<float*>(next.residual_out->data);
-    on.residual_out_stride = next.residual_out->stride;
-    on.weight = static_cast<const bf16*>(next.weight->data);
-    on.eps = next.eps;
-    on.h = static_cast<bf16*>(h.data);
-    on.h_stride = h.stride;
-    on.partials = out_norm_partials_;
-    on.barrier = out_norm_barrier_;
-    if (!cuda::skinny_gemm_out_norm_supported(mat(x), mat(w), on, props_.multiProcessorCount))
-      return Backend::matmul_norm(x, w, bias, out, next, h);
-    cuda::launch_skinny_gemm_out_norm(mat(x), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
-                                      on, props_.multiProcessorCount, s_);
-    CUDA_CHECK_LAUNCH();
-    return true;
   }
 
   // The kernels' view of a ResidualNorm; residual stays null when a tensor is not bf16 or the
@@ -716,8 +679,6 @@ class CudaBackend final : public Backend {
   Tensor attn_ws_;
   int32_t* argmax_host_ = nullptr;
   int32_t* argmax_out_ = nullptr;  // kArgmaxCap results, then the argmax workspace
-  float* out_norm_partials_ = nullptr;  // matmul_norm's group sums, then its grid barrier's two words
-  unsigned* out_norm_barrier_ = nullptr;
 };
 
 }  // namespace

@@ -100,30 +100,6 @@ bool skinny_gemm_norm_supported(const RowNorm& n, int64_t rows, const Mat& w, bo
 void launch_skinny_gemm_norm(const RowNorm& n, int64_t rows, const Mat& w, const bf16* bias, Mat out, bool swiglu,
                              int n_sms, cudaStream_t s);
 
-// A product whose output joins the residual stream and is normalized in the same kernel (the
-// next product's input, for more rows than a normalizing product holds): out = x * w^T (+ bias)
-// as launch_skinny_gemm, residual_out = residual + out and h = rmsnorm(residual_out) * weight,
-// bit for bit as launch_add_rms_norm with a float32 stream. The blocks share the rows' sums of
-// squares through `partials` at a grid-wide barrier, so the grid must be resident at once.
-struct OutNorm {
-  const float* residual = nullptr;
-  int64_t residual_stride = 0;
-  float* residual_out = nullptr;  // may be residual
-  int64_t residual_out_stride = 0;
-  const bf16* weight = nullptr;
-  float eps = 0.0f;
-  bf16* h = nullptr;
-  int64_t h_stride = 0;
-  float* partials = nullptr;    // out_norm_partials_bytes()
-  unsigned* barrier = nullptr;  // two words, zero before the first launch
-};
-int64_t out_norm_partials_bytes();
-// Rows that the normalizing product (launch_skinny_gemm_norm) takes whatever its weight.
-bool norm_fits_product(int64_t rows, int64_t cols);
-bool skinny_gemm_out_norm_supported(const Mat& x, const Mat& w, const OutNorm& n, int n_sms);
-void launch_skinny_gemm_out_norm(const Mat& x, const Mat& w, const bf16* bias, Mat out, const OutNorm& n, int n_sms,
-                                 cudaStream_t s);
-
 // One query row's view of the paged cache.
 struct AttnRow {
   int32_t position;    // query position

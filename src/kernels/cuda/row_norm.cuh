@@ -16,21 +16,6 @@ constexpr int kRowThreads = 256;
 constexpr int kVecPerThread = 4;
 constexpr int64_t kVecMaxCols = int64_t{kRowThreads} * 8 * kVecPerThread;
 
-// The sum of squares of a row goes in an order that blocks holding different parts of the row
-// can reproduce (skinny_gemm.cu's products that normalize their own output): a group is 16
-// consecutive values (two 8-value pieces), its sum a chain of fmas in value order from zero;
-// thread t of kRowThreads adds groups t, t + kRowThreads, ... in that order, then block_sum.
-constexpr int kNormGroup = 16;
-constexpr int kGroupsPerThread = kVecPerThread / 2;
-// The piece (8 values) that slot k of a thread's row registers holds.
-__device__ __forceinline__ int norm_piece(int k) { return 2 * (threadIdx.x + (k / 2) * kRowThreads) + k % 2; }
-// rsqrt(mean square + eps) from the row's sum of squares.
-__device__ __forceinline__ float norm_scale(float sum_sq, int cols, float eps) {
-  return rsqrtf(__fadd_rn(__fdiv_rn(sum_sq, static_cast<float>(cols)), eps));
-}
-// One normalized value: w * (v * scale).
-__device__ __forceinline__ float norm_value(float v, float w, float scale) { return __fmul_rn(w, __fmul_rn(v, scale)); }
-
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float partial[32];
@@ -84,9 +69,9 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
 // kRowThreads threads of the block taking part. The residual stream R is float32 (the model's)
 // or bf16: v = res + delta (kAdd; rounded to bf16 when R is) or res, stored to res_out when
 // that is set (it may be res: each thread loads its pieces before it stores them); then
-// y = w * v * rsqrt(mean(v^2) + eps) in float32 (sum of squares in kNormGroup order), rounded
-// once, given to store(i, 8 values packed) for the 8-value piece i. Each thread loads all its
-// pieces before anything is stored, so a row costs one round trip to memory.
+// y = w * v * rsqrt(mean(v^2) + eps) in float32, rounded once, given to store(i, 8 values
+// packed) for the 8-value piece i. Each thread loads all its pieces before anything is
+// stored, so a row costs one round trip to memory.
 template <bool kAdd, typename R, typename Store>
 __device__ __forceinline__ void norm_row(const R* res, const uint16_t* delta, R* res_out, const uint16_t* w, float eps,
                                          int cols, Store store) {
@@ -96,7 +81,7 @@ __device__ __forceinline__ void norm_row(const R* res, const uint16_t* delta, R*
   uint4 dv[kVecPerThread], wv[kVecPerThread];
 #pragma unroll
   for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = norm_piece(k);
+    const int i = threadIdx.x + k * kRowThreads;
     if (i >= n_vec) continue;
     load8(res + 8 * i, v[k]);
     if constexpr (kAdd) dv[k] = *reinterpret_cast<const uint4*>(delta + 8 * i);
@@ -104,33 +89,28 @@ __device__ __forceinline__ void norm_row(const R* res, const uint16_t* delta, R*
   }
   float ss = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kGroupsPerThread; ++j) {
-    float group = 0.0f;
+  for (int k = 0; k < kVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i >= n_vec) continue;
+    if constexpr (kAdd) {
+      float dd[8];
+      unpack8(dv[k], dd);
 #pragma unroll
-    for (int k = 2 * j; k < 2 * j + 2; ++k) {
-      const int i = norm_piece(k);
-      if (i >= n_vec) continue;
-      if constexpr (kAdd) {
-        float dd[8];
-        unpack8(dv[k], dd);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[k][e] = kF32 ? v[k][e] + dd[e] : round_bf(v[k][e] + dd[e]);
-      }
-      if (res_out) store8(res_out + 8 * i, v[k]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) group = __fmaf_rn(v[k][e], v[k][e], group);
+      for (int e = 0; e < 8; ++e) v[k][e] = kF32 ? v[k][e] + dd[e] : round_bf(v[k][e] + dd[e]);
     }
-    ss = __fadd_rn(ss, group);
+    if (res_out) store8(res_out + 8 * i, v[k]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
   }
-  const float scale = norm_scale(block_sum(ss), cols, eps);
+  const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
 #pragma unroll
   for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = norm_piece(k);
+    const int i = threadIdx.x + k * kRowThreads;
     if (i >= n_vec) continue;
     float wf[8], y[8];
     unpack8(wv[k], wf);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) y[e] = norm_value(v[k][e], wf[e], scale);
+    for (int e = 0; e < 8; ++e) y[e] = wf[e] * (v[k][e] * scale);
     store(i, pack8(y));
   }
 }

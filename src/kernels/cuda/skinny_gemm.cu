@@ -17,19 +17,12 @@
 // the rows into shared memory with the RMSNorm kernels' own code (row_norm.cuh),
 // block 0 stores residual + delta, and the ring carries weights only. This
 // saves a kernel and its wait between the products of a layer.
-//
-// The output-normalizing form (kOutNorm, more rows than that) adds its output to the residual
-// stream and normalizes the result for the next product: each block sums the squares of its
-// 16-feature groups (row_norm.cuh's order), the blocks meet at a grid-wide barrier, and each
-// block adds up the rows' group sums as norm_row's threads would and normalizes its features.
-// It saves the RMSNorm kernel between two products and that kernel's two waits.
 #include <cuda_bf16.h>
 
 #include <string>
 
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/env_switch.h"
-#include "kernels/cuda/grid_barrier.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/row_norm.cuh"
@@ -68,16 +61,11 @@ constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(12288);
 template <int MT, int RT, bool kNorm>
 using StageOf = Stage<kNorm ? 0 : MT, RT>;
 
-// Bytes of the ring (reused by the cross-warp reduction and, for kOutNorm, the block's outputs
-// added to the stream, [RT][8 * MT][16] floats after it); the normalized rows follow them.
-template <int MT, int RT>
-constexpr size_t red_bytes = sizeof(float) * kWarps * RT * MT * 4 * 32;
-template <int MT, int RT>
-constexpr size_t out_rows_bytes = sizeof(float) * RT * MT * 8 * 16;
+// Bytes of the ring (reused by the cross-warp reduction); the normalized rows follow them.
 template <int MT, int RT, bool kNorm>
 constexpr size_t smem_bytes() {
   constexpr size_t ring = sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm> * kWarps;
-  constexpr size_t red = red_bytes<MT, RT> + out_rows_bytes<MT, RT>;
+  constexpr size_t red = sizeof(float) * kWarps * RT * MT * 4 * 32;
   return ring > red ? ring : red;
 }
 
@@ -85,49 +73,6 @@ constexpr size_t smem_bytes() {
 constexpr size_t kMaxBlockSmem = 112 * 1024;
 // Normalized rows in shared memory are padded by 16 bytes (fewer bank conflicts).
 constexpr int64_t norm_row_elems(int64_t k) { return k + 8; }
-
-// The end of the output-normalizing form: v holds the block's outputs added to the stream,
-// [RT][8 * MT][16] (feature n0 + 16 rt + j of token t at (rt * 8 * MT + t) * 16 + j).
-template <int MT, int RT>
-__device__ __forceinline__ void normalize_block_rows(const OutNorm& on, const float* v, int64_t n0, int N, int M) {
-  const int groups = (N + kNormGroup - 1) / kNormGroup;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // v is complete
-  for (int e = threadIdx.x; e < RT * MT * 8; e += kWarps * 32) {
-    const int rt = e / (MT * 8), t = e % (MT * 8);
-    const int64_t f0 = n0 + rt * 16;
-    if (t >= M || f0 >= N) continue;
-    float group = 0.0f;
-    for (int j = 0; j < 16 && f0 + j < N; ++j) group = __fmaf_rn(v[e * 16 + j], v[e * 16 + j], group);
-    on.partials[t * groups + f0 / kNormGroup] = group;
-  }
-  grid_barrier(on.barrier);
-  // Each row's sum as norm_row adds it: thread t's groups, then block_sum's steps.
-  __shared__ float warp_sums[kSkinnyMaxRows][kWarps], scale[kSkinnyMaxRows];
-  for (int t = 0; t < M; ++t) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kGroupsPerThread; ++j) {
-      const int g = threadIdx.x + j * kRowThreads;
-      if (g < groups) sum = __fadd_rn(sum, __ldcg(on.partials + t * groups + g));
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) warp_sums[t][warp] = sum;
-  }
-  __syncthreads();
-  for (int t = warp; t < M; t += kWarps) {
-    const float sum = warp_sum(lane < kWarps ? warp_sums[t][lane] : 0.0f);
-    if (lane == 0) scale[t] = norm_scale(sum, N, on.eps);
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < RT * MT * 8 * 16; e += kWarps * 32) {
-    const int j = e % 16, t = e / 16 % (MT * 8), rt = e / (16 * MT * 8);
-    const int64_t f = n0 + rt * 16 + j;
-    if (t >= M || f >= N) continue;
-    const float w = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(on.weight)[f]);
-    reinterpret_cast<__nv_bfloat16*>(on.h)[t * on.h_stride + f] = __float2bfloat16(norm_value(v[e], w, scale[t]));
-  }
-}
 
 // MT: 8-token tiles (M <= 8 * MT); RT: 16-row weight tiles per block.
 // kSwiglu (RT == 2): w = [gate; up] with N rows each; tile 0 takes gate rows, tile 1 the same
@@ -137,16 +82,15 @@ __device__ __forceinline__ void normalize_block_rows(const OutNorm& on, const fl
 // cp.async, so that many chunks are in flight whatever the register budget; the first stages'
 // weights are requested before waiting on the previous kernel (they need nothing from it).
 // kNorm: x is unused; the rows come from `norm` (see RowNorm), K == the rows' width, and R is
-// the residual stream's element type (float or bf16). kOutNorm: see OutNorm.
-template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kOutNorm = false>
+// the residual stream's element type (float or bf16).
+template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
                                                                   bf16* __restrict__ out, int64_t out_stride,
-                                                                  RowNorm norm, OutNorm on, int l2_hint) {
+                                                                  RowNorm norm, int l2_hint) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
-  static_assert(!kOutNorm || (!kSwiglu && !kNorm && kWarps * 32 == kRowThreads), "kOutNorm: a plain product");
   constexpr int S = kStages<MT, RT, kNorm>;
   using St = StageOf<MT, RT, kNorm>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -293,16 +237,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       if (bias) up += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[N + feature]);
       sum = sum / (1.0f + expf(-sum)) * up;  // float32 gate and up, rounded once below
     }
-    const __nv_bfloat16 y = __float2bfloat16(sum);
-    reinterpret_cast<__nv_bfloat16*>(out)[token * out_stride + feature] = y;
-    if constexpr (kOutNorm) {  // the stream's new value, as norm_row adds it (float32)
-      const float v = on.residual[token * on.residual_stride + feature] + __bfloat162float(y);
-      on.residual_out[token * on.residual_out_stride + feature] = v;
-      reinterpret_cast<float*>(smem_raw + red_bytes<MT, RT>)[(rt * MT * 8 + token) * 16 + (feature - n0 - rt * 16)] = v;
-    }
+    reinterpret_cast<__nv_bfloat16*>(out)[token * out_stride + feature] = __float2bfloat16(sum);
   }
-  if constexpr (kOutNorm)
-    normalize_block_rows<MT, RT>(on, reinterpret_cast<const float*>(smem_raw + red_bytes<MT, RT>), n0, N, M);
 }
 
 // L2 prefetch-size hint of the weight loads (1: 128 bytes, 2: 256, 0: none): a warp asks for
@@ -323,43 +259,31 @@ size_t launch_smem_bytes(int M, int64_t K) {
   return smem_bytes<MT, RT, kNorm>() + (kNorm ? sizeof(bf16) * M * norm_row_elems(K) : 0);
 }
 
-// A kernel instance, allowed kMaxBlockSmem of shared memory (once).
-template <int MT, int RT, bool kSwiglu, bool kNorm, typename R, bool kOutNorm>
-auto configured_kernel() {
-  constexpr auto kernel = skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kOutNorm>;
-  static const bool configured = [&] {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxBlockSmem)));
+template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16>
+void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s) {
+  static const bool configured = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxBlockSmem)));
     return true;
   }();
   (void)configured;
-  return kernel;
-}
-
-template <int RT, bool kSwiglu>
-unsigned blocks_of(int64_t features) {
-  constexpr int kPerBlock = features_per_block(RT, kSwiglu);
-  return static_cast<unsigned>((features + kPerBlock - 1) / kPerBlock);
-}
-
-template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16, bool kOutNorm = false>
-void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, const OutNorm& on,
-                  cudaStream_t s) {
   const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
-  launch_smem(configured_kernel<MT, RT, kSwiglu, kNorm, R, kOutNorm>(), blocks_of<RT, kSwiglu>(n), kWarps * 32,
+  constexpr int kPerBlock = features_per_block(RT, kSwiglu);
+  const unsigned blocks = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
+  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R>, blocks, kWarps * 32,
               launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols), s, x.data, x.stride,
               static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
-              out.data, out.stride, norm, on, weight_l2_hint());
+              out.data, out.stride, norm, weight_l2_hint());
 }
 
 template <int RT, bool kSwiglu = false>
 void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
   const RowNorm none{};
-  const OutNorm no_out{};
   switch ((x.rows + 7) / 8) {
-    case 1: return launch_tiles<1, RT, kSwiglu>(x, w, bias, out, none, no_out, s);
-    case 2: return launch_tiles<2, RT, kSwiglu>(x, w, bias, out, none, no_out, s);
-    case 3: return launch_tiles<3, RT, kSwiglu>(x, w, bias, out, none, no_out, s);
-    default: return launch_tiles<4, RT, kSwiglu>(x, w, bias, out, none, no_out, s);
+    case 1: return launch_tiles<1, RT, kSwiglu>(x, w, bias, out, none, s);
+    case 2: return launch_tiles<2, RT, kSwiglu>(x, w, bias, out, none, s);
+    case 3: return launch_tiles<3, RT, kSwiglu>(x, w, bias, out, none, s);
+    default: return launch_tiles<4, RT, kSwiglu>(x, w, bias, out, none, s);
   }
 }
 
@@ -384,10 +308,6 @@ void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat
   launch_rt<2, true>(x, w, bias, out, s);
 }
 
-bool norm_fits_product(int64_t rows, int64_t cols) {
-  return rows >= 1 && rows <= 8 && launch_smem_bytes<1, 2, true>(static_cast<int>(rows), cols) <= kMaxBlockSmem;
-}
-
 bool skinny_gemm_norm_supported(const RowNorm& n, int64_t rows, const Mat& w, bool swiglu, int n_sms) {
   if (rows < 1 || rows > 8 || w.cols % 8 != 0 || w.stride % 8 != 0 || !aligned16(w.data)) return false;
   if (!rows_fit_registers(w.cols, {n.residual_stride, n.delta ? n.delta_stride : 0, n.delta ? n.residual_out_stride : 0},
@@ -403,65 +323,15 @@ template <typename R>
 void launch_norm_as(const RowNorm& n, int64_t rows, const Mat& w, const bf16* bias, Mat out, bool swiglu, int n_sms,
                     cudaStream_t s) {
   const Mat x{nullptr, rows, w.cols, 0};
-  const OutNorm no_out{};
-  if (swiglu) launch_tiles<1, 2, true, true, R>(x, w, bias, out, n, no_out, s);
-  else if (two_row_tiles(w, n_sms)) launch_tiles<1, 2, false, true, R>(x, w, bias, out, n, no_out, s);
-  else launch_tiles<1, 1, false, true, R>(x, w, bias, out, n, no_out, s);
+  if (swiglu) launch_tiles<1, 2, true, true, R>(x, w, bias, out, n, s);
+  else if (two_row_tiles(w, n_sms)) launch_tiles<1, 2, false, true, R>(x, w, bias, out, n, s);
+  else launch_tiles<1, 1, false, true, R>(x, w, bias, out, n, s);
 }
 
 void launch_skinny_gemm_norm(const RowNorm& n, int64_t rows, const Mat& w, const bf16* bias, Mat out, bool swiglu,
                              int n_sms, cudaStream_t s) {
   if (n.f32) launch_norm_as<float>(n, rows, w, bias, out, swiglu, n_sms, s);
   else launch_norm_as<bf16>(n, rows, w, bias, out, swiglu, n_sms, s);
-}
-
-namespace {
-
-// The output-normalizing form, for rows that the normalizing product does not hold.
-template <int MT, int RT>
-void launch_out_norm_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const OutNorm& on, cudaStream_t s) {
-  launch_tiles<MT, RT, false, false, float, true>(x, w, bias, out, RowNorm{}, on, s);
-}
-
-// Whether the form's whole grid is resident at once (its barrier needs every block running).
-template <int MT, int RT>
-bool out_norm_grid_resident(int64_t features, int n_sms) {
-  static const int per_sm = [] {
-    int n = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, configured_kernel<MT, RT, false, false, float, true>(), kWarps * 32, smem_bytes<MT, RT, false>()));
-    return n;
-  }();
-  return int64_t{per_sm} * n_sms >= blocks_of<RT, false>(features);
-}
-
-}  // namespace
-
-int64_t out_norm_partials_bytes() {
-  return static_cast<int64_t>(sizeof(float)) * kSkinnyMaxRows * (kVecMaxCols / kNormGroup);
-}
-
-bool skinny_gemm_out_norm_supported(const Mat& x, const Mat& w, const OutNorm& n, int n_sms) {
-  const Mat out{n.h, x.rows, w.rows, n.h_stride};
-  if (!skinny_gemm_supported(x, w, out) || w.rows > kVecMaxCols || w.rows % 8 != 0) return false;
-  const bool rt2 = two_row_tiles(w, n_sms);
-  switch ((x.rows + 7) / 8) {
-    case 1: return rt2 ? out_norm_grid_resident<1, 2>(w.rows, n_sms) : out_norm_grid_resident<1, 1>(w.rows, n_sms);
-    case 2: return rt2 ? out_norm_grid_resident<2, 2>(w.rows, n_sms) : out_norm_grid_resident<2, 1>(w.rows, n_sms);
-    case 3: return rt2 ? out_norm_grid_resident<3, 2>(w.rows, n_sms) : out_norm_grid_resident<3, 1>(w.rows, n_sms);
-    default: return rt2 ? out_norm_grid_resident<4, 2>(w.rows, n_sms) : out_norm_grid_resident<4, 1>(w.rows, n_sms);
-  }
-}
-
-void launch_skinny_gemm_out_norm(const Mat& x, const Mat& w, const bf16* bias, Mat out, const OutNorm& on, int n_sms,
-                                 cudaStream_t s) {
-  const bool rt2 = two_row_tiles(w, n_sms);
-  switch ((x.rows + 7) / 8) {
-    case 1: return rt2 ? launch_out_norm_tiles<1, 2>(x, w, bias, out, on, s) : launch_out_norm_tiles<1, 1>(x, w, bias, out, on, s);
-    case 2: return rt2 ? launch_out_norm_tiles<2, 2>(x, w, bias, out, on, s) : launch_out_norm_tiles<2, 1>(x, w, bias, out, on, s);
-    case 3: return rt2 ? launch_out_norm_tiles<3, 2>(x, w, bias, out, on, s) : launch_out_norm_tiles<3, 1>(x, w, bias, out, on, s);
-    default: return rt2 ? launch_out_norm_tiles<4, 2>(x, w, bias, out, on, s) : launch_out_norm_tiles<4, 1>(x, w, bias, out, on, s);
-  }
 }
 
 }  // namespace dflash::cuda

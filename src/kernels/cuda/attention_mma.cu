@@ -63,14 +63,6 @@ template <int kChunks>
 __device__ __forceinline__ void norm_rope_quad(uint4 (&x)[kChunks], const bf16* norm_w, float eps,
                                                const float2* rope, int qd) {
   constexpr int kHalf = kChunks / 2, kDims = kChunks * 32;
-  auto unpack8 = [](const uint4& u, float (&f)[8]) {
-    const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 t = __bfloat1622float2(h2[j]);
-      f[2 * j] = t.x, f[2 * j + 1] = t.y;
-    }
-  };
   float v[kChunks][8];
   uint4 w[kChunks];  // norm weights of the lane's dims, unpacked when used (registers)
 #pragma unroll
@@ -96,9 +88,7 @@ __device__ __forceinline__ void norm_rope_quad(uint4 (&x)[kChunks], const bf16* 
                        scale, r.z, r.w);
     }
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c)
-    x[c] = make_uint4(pack_bf16(v[c][0], v[c][1]), pack_bf16(v[c][2], v[c][3]), pack_bf16(v[c][4], v[c][5]),
-                      pack_bf16(v[c][6], v[c][7]));
+  for (int c = 0; c < kChunks; ++c) x[c] = pack8(v[c]);
 }
 
 // One block's split: scores, softmax and values for its 16 query vectors (vector g and g + 8
@@ -119,9 +109,8 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   constexpr int kChunks = HD / 32;   // 32-dim chunks of the score product
   constexpr int kDimTiles = HD / 8;  // 8-dim tiles of the output
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4, hd = shp.head_dim;
-  constexpr bool fused = kFused;
   // A key's row of qkv when it is new (fused, from fresh_begin on), else -1; whether this block writes it.
-  auto fresh_row = [&](int key) { return fused && key >= r0.fresh_begin ? r0.fresh_row + key - r0.fresh_begin : -1; };
+  auto fresh_row = [&](int key) { return kFused && key >= r0.fresh_begin ? r0.fresh_row + key - r0.fresh_begin : -1; };
   auto writes_row = [&](int row) { return row >= writes.first_row && row < writes.first_row + writes.n_rows; };
 
   // The warp's keys: n-tile t holds keys kbase + 8t + (0..7); this lane loads key kbase + 8t + g.
@@ -178,7 +167,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
     }
   }
   auto q_src = [&](int h, int d) { return q + vrow[h] * q_stride + static_cast<int64_t>(vhead[h]) * hd + d; };
-  if constexpr (fused) {
+  if constexpr (kFused) {
     // The queries are normalized and rotated once per block, into q_s: quad g of warp h < 2
     // takes vector g + 8h.
     if (warp < 2) {
@@ -271,7 +260,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   float acc[kDimTiles][4] = {};
   cp_async_wait<0>();
   __syncwarp();
-  if constexpr (fused) {  // new value rows this block owns go to the cache from the tile
+  if constexpr (kFused) {  // new value rows this block owns go to the cache from the tile
     for_v_pieces([&](int kr, int part, const bf16*, bool, int row, int64_t sl) {
       if (row >= 0 && writes_row(row))
         *reinterpret_cast<uint4*>(vc + sl * v_stride + head_off + part * 8) =

@@ -477,10 +477,7 @@ class CudaBackend final : public Backend {
     }
     if (!cuda::attention_fresh_supported(shape, n_tiles, max_keys)) return separate();
     const float2* rope = rope_table(inv_freq, max_keys - 1);
-    if (!rope) {  // a capture needs a larger table than there is
-      Backend::qkv_attention(qkv, q_norm, k_norm, eps, inv_freq, slots, k_cache, v_cache, segments, positions, p, out);
-      return;
-    }
+    if (!rope) return separate();  // a capture needs a larger table than there is
     for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
     auto ptr = [](const Tensor* t) { return t ? static_cast<const bf16*>(t->data) : nullptr; };
     const bf16* base = static_cast<const bf16*>(qkv.data);

@@ -30,24 +30,6 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
-  const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(h2[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 raw;
-  auto* h2 = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h2[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return raw;
-}
-
 // Eight consecutive values of a row of bf16 (uint16_t) or float32, as floats; stores round
 // to bf16 or keep float32.
 __device__ __forceinline__ void load8(const uint16_t* p, float (&f)[8]) {

@@ -11,7 +11,8 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits sites bench profile ab serving" (default: all but sites, profile and ab).
+# Steps can be chosen with STEPS="tests logits sites bench profile ab serving sampling" (default: all but sites,
+# profile, ab and sampling).
 # DFLASH_PDL=0 turns programmatic dependent launch off (A/B timings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -138,5 +139,29 @@ if [[ $steps == *serving* ]]; then
   python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
     --max-tokens 128 --server-args "--device cuda" \
     --json "$out/serving_gpu_bundled.json" 2>&1 | tee "$out/serving_gpu_bundled.txt" || status=1
+fi
+if [[ $steps == *sampling* ]]; then
+  # Sampled generation (temperature 0.6, top-k 20, top-p 0.95: Qwen3's generation_config) with
+  # the top-k candidates selected on the GPU (DFLASH_GPU_TOP_K=1), and on the host (0: the rows
+  # copied to the host): per-step times from `generate --json`, 8B-shaped random pair (drafts
+  # never accepted) and the bundled pair.
+  echo "== sampled generation: top-k candidates on the GPU and on the host =="
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  ids=$(python3 -c "import random; r = random.Random(9); print(','.join(str(r.randrange(151669)) for _ in range(64)))")
+  sample="--temperature 0.6 --top-k 20 --top-p 0.95 --seed 7 --json"
+  : > "$out/sampling_gpu.txt"
+  for gpu in 1 0; do
+    for mode in "none match" "dflash match" "dflash rejection"; do
+      set -- $mode
+      echo "8b-shape speculative=$1 scheme=$2 DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
+        --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --speculative "$1" --spec-sampling "$2" \
+        --prompt-ids "$ids" --max-tokens 128 $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" ||
+        status=1
+      echo "bundled speculative=$1 scheme=$2 DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
+        --device cuda --speculative "$1" --spec-sampling "$2" --prompt "def quicksort(items):" --max-tokens 256 \
+        $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" || status=1
+    done
+  done
 fi
 exit $status

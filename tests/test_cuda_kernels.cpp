@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <utility>
@@ -313,6 +314,54 @@ TEST_F(CudaOps, ArgmaxIsExactWithTiesToTheLowestIndex) {
     if (cols > 3) {
       EXPECT_EQ(gpu->argmax_rows(x.g.slice_cols(3, cols - 3)), cpu->argmax_rows(x.c.slice_cols(3, cols - 3)))
           << "cols=" << cols << " from column 3";
+    }
+  }
+}
+
+TEST_F(CudaOps, TopCandidatesEqualTheHostSelection) {
+  setenv("DFLASH_GPU_TOP_K", "1", 1);  // the device selection, whatever the default
+  gpu = make_cuda_backend();
+  // Random rows, rows with many ties (values on a coarse grid, so that the k-th value is tied),
+  // a constant row and a row with a NaN (both selected on the host), an unaligned column slice,
+  // top_k on the device (1..256) and on the host (0, 257, >= cols), several temperatures.
+  for (int64_t cols : {5, 1000, 4099, 151936}) {
+    const int64_t n_rows = 8;
+    auto x = random(n_rows, cols, 4.0f);
+    std::vector<float> host = x.host;
+    for (int64_t c = 0; c < cols; ++c) {
+      host[1 * cols + c] = std::round(host[1 * cols + c] * 2) / 2;
+      host[2 * cols + c] = std::round(host[2 * cols + c] * 16) / 16;
+      host[3 * cols + c] = 0.25f;
+    }
+    host = bf16_rounded(host);
+    host[4 * cols + cols / 2] = NAN;
+    host[5 * cols] = -INFINITY;
+    x.c = cpu->upload_host(host.data(), n_rows, cols);
+    x.g = gpu->upload_host(host.data(), n_rows, cols);
+    const std::vector<int32_t> rows = {0, 1, 2, 3, 4, 5, 6, 7, 2, 0};
+    for (int k : {1, 20, 50, 256, 257, 0}) {
+      for (float t : {1.0f, 0.6f, 1.3f}) {
+        std::vector<float> temps(rows.size(), t);
+        std::vector<int32_t> ks(rows.size(), k);
+        ks[6] = static_cast<int32_t>(cols);  // every entry
+        temps[7] = 0.7f;
+        const auto want = cpu->top_candidates(x.c, rows, temps, ks);
+        const auto got = gpu->top_candidates(x.g, rows, temps, ks);
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t i = 0; i < rows.size(); ++i) {
+          EXPECT_EQ(got[i].ids, want[i].ids) << "cols " << cols << " k " << ks[i] << " T " << temps[i] << " row " << i;
+          EXPECT_EQ(got[i].x, want[i].x) << "cols " << cols << " k " << ks[i] << " T " << temps[i] << " row " << i;
+          if (ks[i] > 0 && ks[i] < cols && rows[i] != 4) EXPECT_GE(static_cast<int64_t>(got[i].ids.size()), ks[i]);
+        }
+      }
+    }
+    if (cols > 3) {
+      const auto want = cpu->top_candidates(x.c.slice_cols(3, cols - 3), {0, 2}, {0.8f, 0.8f}, {20, 20});
+      const auto got = gpu->top_candidates(x.g.slice_cols(3, cols - 3), {0, 2}, {0.8f, 0.8f}, {20, 20});
+      for (size_t i = 0; i < 2; ++i) {
+        EXPECT_EQ(got[i].ids, want[i].ids) << "cols " << cols << " from column 3";
+        EXPECT_EQ(got[i].x, want[i].x) << "cols " << cols << " from column 3";
+      }
     }
   }
 }

@@ -28,6 +28,20 @@ std::vector<float> random_logits(int n, std::mt19937& rng, float scale = 3.0f) {
   return x;
 }
 
+// A whole row's distribution (candidates selected on the host), and the same as a dense vector.
+TokenDist dist(const std::vector<float>& logits, const SamplingParams& p) {
+  return distribution(select_top_candidates(logits.data(), static_cast<int64_t>(logits.size()), p.temperature, p.top_k),
+                      p);
+}
+std::vector<float> dense(const TokenDist& d, size_t n) {
+  std::vector<float> out(n, 0.0f);
+  for (size_t i = 0; i < d.ids.size(); ++i) out[static_cast<size_t>(d.ids[i])] = d.p[i];
+  return out;
+}
+std::vector<float> dense_dist(const std::vector<float>& logits, const SamplingParams& p) {
+  return dense(dist(logits, p), logits.size());
+}
+
 // Softmax in double, then Hugging Face's warpers written out directly: top-k by
 // the k-th largest value, top-p by sorting ascending and dropping the tokens
 // whose cumulative probability is <= 1 - top_p. `margin` is how close a
@@ -77,7 +91,7 @@ TEST(Sampling, DistributionsMatchTheWarpersOnRandomLogits) {
   for (int n : {2, 7, 1000, 8192}) {
     for (const auto& p : settings) {
       const auto logits = random_logits(n, rng);
-      const auto got = distribution(logits.data(), n, p);
+      const auto got = dense_dist(logits, p);
       double margin = 0;
       const auto want = reference(logits, p, &margin);
       if (margin < 1e-6) continue;  // too close to call in float
@@ -96,15 +110,42 @@ TEST(Sampling, DistributionsMatchTheWarpersOnRandomLogits) {
   }
 }
 
+TEST(Sampling, TopCandidatesAreTheTopKWithTiesAndNoNaN) {
+  std::mt19937 rng(std::random_device{}());
+  for (int n : {1, 5, 100, 5000}) {
+    for (int trial = 0; trial < 4; ++trial) {
+      auto logits = random_logits(n, rng);
+      for (float& v : logits) v = std::round(v * 2) / 2;  // many ties
+      if (n > 4) logits[1] = -INFINITY, logits[3] = NAN;
+      const float t = trial == 0 ? 1.0f : trial == 1 ? 0.6f : 1.7f;
+      for (int k : {0, 1, 3, 20, n - 1, n, n + 5}) {
+        const TopCandidates got = select_top_candidates(logits.data(), n, t, k);
+        std::vector<float> sorted;
+        for (float v : logits)
+          if (!std::isnan(v)) sorted.push_back(v / t);
+        std::sort(sorted.rbegin(), sorted.rend());
+        const float thr = k > 0 && k < n && k <= static_cast<int>(sorted.size()) ? sorted[static_cast<size_t>(k - 1)]
+                                                                                  : -INFINITY;
+        std::vector<int32_t> want;
+        for (int i = 0; i < n; ++i)
+          if (logits[static_cast<size_t>(i)] / t >= thr) want.push_back(i);
+        ASSERT_EQ(got.ids, want) << "n " << n << " k " << k << " T " << t;
+        for (size_t i = 0; i < want.size(); ++i)
+          EXPECT_EQ(got.x[i], logits[static_cast<size_t>(want[i])] / t);
+      }
+    }
+  }
+}
+
 TEST(Sampling, TopPOnTiesAndTinyNuclei) {
   // Ten equal logits, top_p 0.35: tokens are kept while the mass before them is below 0.35.
   const std::vector<float> flat(10, 1.0f);
-  auto p = distribution(flat.data(), 10, {1.0f, 0, 0.35f, 0});
+  auto p = dense_dist(flat, {1.0f, 0, 0.35f, 0});
   for (int i = 0; i < 10; ++i) EXPECT_FLOAT_EQ(p[static_cast<size_t>(i)], i < 4 ? 0.25f : 0.0f) << i;
   // A tiny top_p keeps exactly the most likely token.
   std::mt19937 rng(std::random_device{}());
   const auto logits = random_logits(5000, rng);
-  p = distribution(logits.data(), 5000, {1.0f, 0, 1e-6f, 0});
+  p = dense_dist(logits, {1.0f, 0, 1e-6f, 0});
   const auto best = std::max_element(logits.begin(), logits.end()) - logits.begin();
   EXPECT_FLOAT_EQ(p[static_cast<size_t>(best)], 1.0f);
 }
@@ -112,11 +153,12 @@ TEST(Sampling, TopPOnTiesAndTinyNuclei) {
 TEST(Sampling, InverseCdfSamplesFollowTheDistribution) {
   std::mt19937 rng(std::random_device{}());
   const auto logits = random_logits(50, rng, 1.5f);
-  const auto p = distribution(logits.data(), 50, {1.0f, 0, 1.0f, 0});
+  const TokenDist d = dist(logits, {1.0f, 0, 1.0f, 0});
+  const auto p = dense(d, 50);
   // Stratified u: the counts are exact up to one per token.
   const int n = 100000;
   std::vector<int> count(50, 0);
-  for (int i = 0; i < n; ++i) ++count[static_cast<size_t>(sample(p, (i + 0.5) / n))];
+  for (int i = 0; i < n; ++i) ++count[static_cast<size_t>(sample(d, (i + 0.5) / n))];
   for (size_t t = 0; t < 50; ++t) EXPECT_NEAR(count[t], p[t] * n, 1.5) << "token " << t;
   // The counter-based uniforms are uniform and differ between seeds, positions and streams.
   double mean = 0;
@@ -133,15 +175,17 @@ TEST(Sampling, RejectionVerdictsAreDistributedAsTheTarget) {
   for (int trial = 0; trial < 4; ++trial) {
     const int v = 8;
     const auto lp = random_logits(v, rng, 1.0f), lq = random_logits(v, rng, 1.0f);
-    const auto p = distribution(lp.data(), v, {1.0f, 0, trial % 2 ? 0.8f : 1.0f, 0});
-    const auto q = distribution(lq.data(), v, {1.0f, 0, 1.0f, 0});
+    // Trials 2 and 3: top-k gives p and q different supports.
+    const TokenDist pd = dist(lp, {1.0f, trial >= 2 ? 5 : 0, trial % 2 ? 0.8f : 1.0f, 0});
+    const TokenDist qd = dist(lq, {1.0f, trial >= 2 ? 4 : 0, 1.0f, 0});
+    const auto p = dense(pd, v), q = dense(qd, v);
     const int n = 200000;
     std::vector<int> count(v, 0);
     int accepted = 0;
     const uint64_t seed = rng();
     for (int i = 0; i < n; ++i) {
-      const int32_t d = sample(q, uniform(seed, i, kDraftSample));
-      const Verdict r = verify_draft_token(p, q, d, uniform(seed, i, kAcceptTest), uniform(seed, i, kResample));
+      const int32_t d = sample(qd, uniform(seed, i, kDraftSample));
+      const Verdict r = verify_draft_token(pd, qd, d, uniform(seed, i, kAcceptTest), uniform(seed, i, kResample));
       ++count[static_cast<size_t>(r.token)];
       accepted += r.accepted;
     }

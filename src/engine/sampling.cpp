@@ -41,10 +41,10 @@ uint64_t splitmix64(uint64_t x) {
 
 // Keeps the most probable tokens while the mass before each is below top_p
 // (Hugging Face's TopPLogitsWarper; among equal probabilities the lower id
-// first), zeroing the rest; probs sum to 1. A selection by mass, expected O(n):
-// the kept set is found without sorting the vocabulary.
+// first), zeroing the rest; the kept ones are renormalized to sum to 1. A
+// selection by mass, expected O(n): the kept set is found without sorting.
 void apply_top_p(std::vector<float>& probs, float top_p) {
-  std::vector<int32_t> idx;
+  std::vector<int32_t> idx;  // positions in increasing id order
   idx.reserve(probs.size());
   for (size_t i = 0; i < probs.size(); ++i)
     if (probs[i] > 0) idx.push_back(static_cast<int32_t>(i));
@@ -91,61 +91,59 @@ double uniform(uint64_t seed, int64_t position, int stream) {
   return static_cast<double>(h >> 11) * 0x1.0p-53;
 }
 
-std::vector<float> distribution(const float* logits, int n, const SamplingParams& p) {
-  check(!p.greedy(), "internal: distribution() of a greedy request");
-  std::vector<float> x(logits, logits + n);
-  for (float& v : x) v /= p.temperature;
-  float threshold = -INFINITY;
-  if (p.top_k > 0 && p.top_k < n) {
-    std::vector<float> tmp(x);
-    std::nth_element(tmp.begin(), tmp.begin() + (p.top_k - 1), tmp.end(), std::greater<float>());
-    threshold = tmp[p.top_k - 1];  // ties with the k-th value stay, as in Hugging Face
-  }
-  float mx = -INFINITY;
-  for (float v : x)
-    if (v >= threshold) mx = std::max(mx, v);
-  check(std::isfinite(mx), "the logits are not finite");
-  double total = 0;
-  for (float& v : x) {
-    v = v >= threshold ? std::exp(v - mx) : 0.0f;
-    total += v;
-  }
-  for (float& v : x) v = static_cast<float>(v / total);
-  if (p.top_p < 1) apply_top_p(x, p.top_p);
-  return x;
+float TokenDist::prob(int32_t id) const {
+  const auto it = std::lower_bound(ids.begin(), ids.end(), id);
+  return it != ids.end() && *it == id ? p[static_cast<size_t>(it - ids.begin())] : 0.0f;
 }
 
-int32_t sample(const std::vector<float>& probs, double u) {
+TokenDist distribution(const TopCandidates& c, const SamplingParams& p) {
+  check(!p.greedy(), "internal: distribution() of a greedy request");
+  float mx = -INFINITY;
+  for (float v : c.x) mx = std::max(mx, v);
+  check(std::isfinite(mx), "the logits are not finite");
+  TokenDist d{c.ids, std::vector<float>(c.x.size())};
   double total = 0;
-  for (float v : probs) total += v;
+  for (size_t i = 0; i < c.x.size(); ++i) total += d.p[i] = std::exp(c.x[i] - mx);
+  for (float& v : d.p) v = static_cast<float>(v / total);
+  if (p.top_p < 1) apply_top_p(d.p, p.top_p);
+  return d;
+}
+
+int32_t sample(const TokenDist& d, double u) {
+  double total = 0;
+  for (float v : d.p) total += v;
   const double target = u * total;
   double cum = 0;
   int32_t last = 0;
-  for (size_t i = 0; i < probs.size(); ++i) {
-    if (probs[i] <= 0) continue;
-    cum += probs[i];
-    last = static_cast<int32_t>(i);
+  for (size_t i = 0; i < d.p.size(); ++i) {
+    if (d.p[i] <= 0) continue;
+    cum += d.p[i];
+    last = d.ids[i];
     if (cum > target) return last;
   }
   return last;  // rounding left the target at the very end
 }
 
-Verdict verify_draft_token(const std::vector<float>& p, const std::vector<float>& q, int32_t d, double u_accept,
-                           double u_resample) {
+Verdict verify_draft_token(const TokenDist& p, const TokenDist& q, int32_t d, double u_accept, double u_resample) {
   // Accept with probability min(1, p(d) / q(d)); q(d) > 0 because d was drawn from q.
-  if (u_accept * q[d] < p[d]) return {true, d};
-  std::vector<float> residual(p.size());
+  if (u_accept * q.prob(d) < p.prob(d)) return {true, d};
+  // The residual max(0, p - q) over the union of both supports, in id order.
+  TokenDist residual;
   double total = 0;
-  for (size_t i = 0; i < p.size(); ++i) total += residual[i] = std::max(0.0f, p[i] - q[i]);
+  size_t i = 0, j = 0;
+  while (i < p.ids.size()) {
+    if (j < q.ids.size() && q.ids[j] < p.ids[i]) {
+      ++j;  // p is zero there: no residual mass
+      continue;
+    }
+    const float qi = j < q.ids.size() && q.ids[j] == p.ids[i] ? q.p[j++] : 0.0f;
+    const float r = std::max(0.0f, p.p[i] - qi);
+    residual.ids.push_back(p.ids[i++]);
+    residual.p.push_back(r);
+    total += r;
+  }
   // p == q up to rounding: a rejection has probability ~0; sample from p itself.
   return {false, sample(total > 0 ? residual : p, u_resample)};
-}
-
-std::vector<float> rows_to_host(Backend& be, const Tensor& logits, const std::vector<int32_t>& rows) {
-  if (rows.empty()) return {};
-  Tensor picked = be.alloc(static_cast<int64_t>(rows.size()), logits.cols);
-  be.gather_rows(logits, rows, picked);
-  return be.to_host(picked);
 }
 
 }  // namespace dflash

@@ -32,21 +32,27 @@ enum RandomStream : int { kTargetSample = 0, kDraftSample = 1, kAcceptTest = 2, 
 // Uniform in [0, 1) from a counter-based hash of (seed, position, stream).
 double uniform(uint64_t seed, int64_t position, int stream);
 
-// The sampling distribution of one logits row: dense, zero outside the kept
-// tokens, summing to 1. Requires !p.greedy().
-std::vector<float> distribution(const float* logits, int n, const SamplingParams& p);
+// A sampling distribution: probability p[i] for token ids[i] (increasing), zero for every other
+// token (the candidates a top-k selection dropped).
+struct TokenDist {
+  std::vector<int32_t> ids;
+  std::vector<float> p;
+  float prob(int32_t id) const;  // 0 for a token that is not listed
+};
+
+// The sampling distribution of one logits row from its candidates (select_top_candidates or
+// Backend::top_candidates with p's temperature and top_k): softmax over them, then top-p. It
+// equals the dense computation over the whole row, since the dropped entries have probability
+// zero there. Requires !p.greedy().
+TokenDist distribution(const TopCandidates& c, const SamplingParams& p);
 // Inverse-CDF sample in index order; u in [0, 1).
-int32_t sample(const std::vector<float>& probs, double u);
+int32_t sample(const TokenDist& d, double u);
 
 // One rejection-sampling verification of draft token d ~ q against the target's p.
 struct Verdict {
   bool accepted;
   int32_t token;  // d when accepted, else the resampled token
 };
-Verdict verify_draft_token(const std::vector<float>& p, const std::vector<float>& q, int32_t d, double u_accept,
-                           double u_resample);
-
-// Copies the listed rows of `logits` to the host in one transfer, row-major.
-std::vector<float> rows_to_host(Backend& be, const Tensor& logits, const std::vector<int32_t>& rows);
+Verdict verify_draft_token(const TokenDist& p, const TokenDist& q, int32_t d, double u_accept, double u_resample);
 
 }  // namespace dflash

@@ -8,20 +8,25 @@ namespace {
 
 bool sampled(const SamplingParams* p) { return p && !p->greedy(); }
 
-// Logits rows copied to the host once, with their distributions computed on demand.
-class HostRows {
+// The candidates of the listed logits rows (top-k selected where the logits are, one call),
+// with their distributions computed on demand.
+class CandidateRows {
  public:
-  HostRows(Backend& be, const Tensor& logits, std::vector<int32_t> rows)
-      : rows_(std::move(rows)), n_(static_cast<int>(logits.cols)), host_(rows_to_host(be, logits, rows_)) {}
-  // Distribution of the k-th listed row.
-  std::vector<float> distribution(size_t k, const SamplingParams& p) const {
-    return dflash::distribution(host_.data() + static_cast<int64_t>(k) * n_, n_, p);
+  CandidateRows(Backend& be, const Tensor& logits, const std::vector<int32_t>& rows,
+                const std::vector<const SamplingParams*>& params) {
+    std::vector<float> temperature;
+    std::vector<int32_t> top_k;
+    for (const SamplingParams* p : params) {
+      temperature.push_back(p->temperature);
+      top_k.push_back(p->top_k);
+    }
+    rows_ = be.top_candidates(logits, rows, temperature, top_k);
   }
+  // Distribution of the k-th listed row.
+  TokenDist distribution(size_t k, const SamplingParams& p) const { return dflash::distribution(rows_[k], p); }
 
  private:
-  std::vector<int32_t> rows_;
-  int n_;
-  std::vector<float> host_;
+  std::vector<TopCandidates> rows_;
 };
 
 }  // namespace
@@ -31,13 +36,18 @@ std::vector<DraftChoice> choose_draft_tokens(Backend& be, const Tensor& logits, 
   // Greedy and match-scheme rows take the draft's argmax; rejection-scheme rows sample from q.
   auto samples = [&](const DraftRows& s) { return scheme == SpecSampling::Rejection && sampled(s.params); };
   std::vector<int32_t> rows;
+  std::vector<const SamplingParams*> params;
   bool need_argmax = false;
   for (const auto& s : seqs) {
     if (!samples(s)) need_argmax = true;
-    else for (int j = 0; j < s.n; ++j) rows.push_back(s.first_row + j);
+    else
+      for (int j = 0; j < s.n; ++j) {
+        rows.push_back(s.first_row + j);
+        params.push_back(s.params);
+      }
   }
   const std::vector<int32_t> argmax = need_argmax ? be.argmax_rows(logits) : std::vector<int32_t>{};
-  const HostRows host(be, logits, rows);
+  const CandidateRows cands(be, logits, rows, params);
   std::vector<DraftChoice> out(seqs.size());
   size_t k = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -47,7 +57,7 @@ std::vector<DraftChoice> choose_draft_tokens(Backend& be, const Tensor& logits, 
         out[i].tokens.push_back(argmax[static_cast<size_t>(s.first_row + j)]);
         continue;
       }
-      std::vector<float> q = host.distribution(k++, *s.params);
+      TokenDist q = cands.distribution(k++, *s.params);
       out[i].tokens.push_back(sample(q, uniform(s.params->seed, s.position + j, kDraftSample)));
       out[i].q.push_back(std::move(q));
     }
@@ -59,7 +69,8 @@ std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const 
                                        SpecSampling scheme) {
   auto n_drafted = [](const VerifyBlock& b) { return b.draft ? static_cast<int>(b.draft->tokens.size()) : 0; };
   std::vector<int32_t> rows;
-  std::vector<size_t> first_host(blocks.size(), 0);  // index of each sampled block's first row in `rows`
+  std::vector<const SamplingParams*> params;
+  std::vector<size_t> first_cand(blocks.size(), 0);  // index of each sampled block's first row in `rows`
   bool need_argmax = false;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const VerifyBlock& b = blocks[i];
@@ -67,11 +78,14 @@ std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const 
       need_argmax = true;
       continue;
     }
-    first_host[i] = rows.size();
-    for (int j = 0; j <= n_drafted(b); ++j) rows.push_back(b.first_row + j);
+    first_cand[i] = rows.size();
+    for (int j = 0; j <= n_drafted(b); ++j) {
+      rows.push_back(b.first_row + j);
+      params.push_back(b.params);
+    }
   }
   const std::vector<int32_t> argmax = need_argmax ? be.argmax_rows(logits) : std::vector<int32_t>{};
-  const HostRows host(be, logits, rows);
+  const CandidateRows cands(be, logits, rows, params);
 
   std::vector<BlockResult> out(blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -87,7 +101,7 @@ std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const 
       continue;
     }
     const SamplingParams& sp = *b.params;
-    auto p = [&](int j) { return host.distribution(first_host[i] + static_cast<size_t>(j), sp); };
+    auto p = [&](int j) { return cands.distribution(first_cand[i] + static_cast<size_t>(j), sp); };
     if (scheme == SpecSampling::Rejection && nd > 0) {
       check(b.draft->q.size() == static_cast<size_t>(nd), "internal: rejection sampling without draft distributions");
       for (; r.accepted < nd; ++r.accepted) {

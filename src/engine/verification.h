@@ -21,7 +21,7 @@ struct DraftRows {
 
 struct DraftChoice {
   std::vector<int32_t> tokens;          // d_1..d_n
-  std::vector<std::vector<float>> q;    // their draft distributions (rejection scheme only, else empty)
+  std::vector<TokenDist> q;             // their draft distributions (rejection scheme only, else empty)
 };
 
 std::vector<DraftChoice> choose_draft_tokens(Backend& be, const Tensor& logits, const std::vector<DraftRows>& seqs,

@@ -16,6 +16,7 @@
 
 #include "formats/safetensors.h"
 #include "kernels/tensor.h"
+#include "kernels/top_candidates.h"
 
 namespace dflash {
 
@@ -167,6 +168,11 @@ class Backend {
   virtual void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) = 0;
   // Index of the largest value per row (first on ties).
   virtual std::vector<int32_t> argmax_rows(const Tensor& x) = 0;
+  // Per listed row i of `logits`: select_top_candidates(row rows[i], temperature[i] (> 0),
+  // top_k[i]) (kernels/top_candidates.h). This one copies the rows to the host and selects there.
+  virtual std::vector<TopCandidates> top_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
+                                                    const std::vector<float>& temperature,
+                                                    const std::vector<int32_t>& top_k);
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

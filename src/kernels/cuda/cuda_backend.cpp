@@ -118,6 +118,8 @@ class CudaBackend final : public Backend {
       for (auto& [t, n] : tables) cudaFree(t);
     cudaFreeHost(argmax_host_);
     cudaFree(argmax_out_);
+    cudaFreeHost(top_host_);
+    cudaFree(top_out_);
   }
 
   bool supports_graphs() const override { return true; }
@@ -509,8 +511,66 @@ class CudaBackend final : public Backend {
     return result;
   }
 
+  // With the device selection on (gpu_top_k_), rows with 0 < top_k <= kTopCandidatesMaxK select
+  // on the device and copy back their candidates; the others (and rows the kernel could not
+  // finish) go through the host.
+  std::vector<TopCandidates> top_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
+                                            const std::vector<float>& temperature,
+                                            const std::vector<int32_t>& top_k) override {
+    check(temperature.size() == rows.size() && top_k.size() == rows.size(), "top_candidates: one setting per row");
+    check(!capturing_, "cuda backend: top_candidates synchronizes and cannot be captured");
+    require_bf16(logits, "top_candidates input");
+    for (int32_t r : rows) check(r >= 0 && r < logits.rows, "cuda backend: top_candidates row out of range");
+    std::vector<TopCandidates> out(rows.size());
+    std::vector<size_t> on_device, on_host;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const bool fits = gpu_top_k_ && top_k[i] > 0 && top_k[i] <= cuda::kTopCandidatesMaxK && top_k[i] < logits.cols &&
+                        temperature[i] > 0;
+      (fits ? on_device : on_host).push_back(i);
+    }
+    for (size_t c0 = 0; c0 < on_device.size(); c0 += kTopRowsPerCall) {
+      const size_t n = std::min(kTopRowsPerCall, on_device.size() - c0);
+      std::vector<int32_t> meta(3 * n);  // rows, top_k, temperature bits
+      for (size_t j = 0; j < n; ++j) {
+        const size_t i = on_device[c0 + j];
+        meta[j] = rows[i];
+        meta[n + j] = top_k[i];
+        std::memcpy(&meta[2 * n + j], &temperature[i], sizeof(float));
+      }
+      const int32_t* d = stage(meta);
+      if (!top_out_) {
+        CUDA_CHECK(cudaMalloc(&top_out_, sizeof(cuda::TopCandidatesRow) * kTopRowsPerCall));
+        CUDA_CHECK(cudaMallocHost(&top_host_, sizeof(cuda::TopCandidatesRow) * kTopRowsPerCall));
+      }
+      cuda::launch_top_candidates(mat(logits), d, reinterpret_cast<const float*>(d + 2 * n), d + n,
+                                  static_cast<int>(n), top_out_, s_);
+      CUDA_CHECK_LAUNCH();
+      CUDA_CHECK(cudaMemcpyAsync(top_host_, top_out_, sizeof(cuda::TopCandidatesRow) * n, cudaMemcpyDeviceToHost, s_));
+      CUDA_CHECK(cudaStreamSynchronize(s_));
+      for (size_t j = 0; j < n; ++j) {
+        const cuda::TopCandidatesRow& r = top_host_[j];
+        const size_t i = on_device[c0 + j];
+        if (r.count < 0) {
+          on_host.push_back(i);
+          continue;
+        }
+        out[i].ids.assign(r.ids, r.ids + r.count);
+        out[i].x.assign(r.x, r.x + r.count);
+      }
+    }
+    if (!on_host.empty()) {
+      std::vector<int32_t> hr, hk;
+      std::vector<float> ht;
+      for (size_t i : on_host) hr.push_back(rows[i]), hk.push_back(top_k[i]), ht.push_back(temperature[i]);
+      auto host = Backend::top_candidates(logits, hr, ht, hk);
+      for (size_t j = 0; j < on_host.size(); ++j) out[on_host[j]] = std::move(host[j]);
+    }
+    return out;
+  }
+
  private:
   static constexpr int64_t kArgmaxCap = cuda::kArgmaxMaxRows;
+  static constexpr size_t kTopRowsPerCall = 64;
 
   // Whether each segment's rows are its last keys, in order, with the slots its page table gives.
   static bool rows_are_last_keys(const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
@@ -660,7 +720,12 @@ class CudaBackend final : public Backend {
   cudaStream_t s_ = nullptr;
   std::unique_ptr<cuda::LtGemm> lt_;
   std::shared_ptr<StagingRing> ring_;
-  StagingRing* active_ring_ = nullptr;  // ring_, or the ring of the graph being captured
+  StagingRing* active_ring_ = nullptr;
+  // Top-k candidates selected on the device: DFLASH_GPU_TOP_K=1 (off by default until the kernel
+  // has passed CudaOps.TopCandidatesEqualTheHostSelection on a GPU).
+  bool gpu_top_k_ = cuda::env_switch("DFLASH_GPU_TOP_K") == "1";
+  cuda::TopCandidatesRow* top_out_ = nullptr;   // top_candidates' results, device and pinned host
+  cuda::TopCandidatesRow* top_host_ = nullptr;  // ring_, or the ring of the graph being captured
   // Recent uploads (contents -> device copy) of the active ring, valid until it wraps:
   // the positions and slots every layer passes are copied once per forward.
   std::vector<std::pair<std::string, const void*>> recent_;

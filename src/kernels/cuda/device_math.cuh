@@ -14,6 +14,10 @@ constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp
 // A float rounded to bf16 and back: what a torch op in bf16 stores.
 __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// One element as float: bf16 (stored as uint16_t) or float.
+__device__ __forceinline__ float ld(const uint16_t* p) { return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p)); }
+__device__ __forceinline__ float ld(const float* p) { return *p; }
+
 // Eight bf16 values (16 bytes) as floats, and back (rounded to nearest).
 __device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
   const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);

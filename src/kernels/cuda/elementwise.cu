@@ -17,9 +17,7 @@ namespace {
 
 using bf = __nv_bfloat16;
 
-__device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*reinterpret_cast<const bf*>(p)); }
 __device__ __forceinline__ void st(bf16* p, float v) { *reinterpret_cast<bf*>(p) = __float2bfloat16(v); }
-__device__ __forceinline__ float ld(const float* p) { return *p; }
 __device__ __forceinline__ void st(float* p, float v) { *p = v; }
 
 // R: the residual stream's element type (bf16 or float) in the kernels below.

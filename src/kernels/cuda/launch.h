@@ -61,6 +61,19 @@ constexpr int kArgmaxSlices = 32;
 constexpr int64_t kArgmaxMaxRows = 4096;
 int64_t argmax_workspace_bytes();
 void launch_argmax(const Mat& x, int32_t* out, void* workspace, cudaStream_t s);
+// Per listed row i of x: the entries of select_top_candidates(row rows[i], temperature[i],
+// top_k[i]) (kernels/top_candidates.h) for 0 < top_k[i] <= kTopCandidatesMaxK and top_k[i] <
+// x.cols, ids increasing, into out[i]; count -1 where the selection does not fit (more than
+// kTopCandidatesCap entries with ties, more than a few thousand entries in its threshold's
+// first radix bin, or a NaN): the host selects those.
+constexpr int kTopCandidatesMaxK = 256, kTopCandidatesCap = 1024;
+struct TopCandidatesRow {
+  int32_t count;
+  int32_t ids[kTopCandidatesCap];
+  float x[kTopCandidatesCap];
+};
+void launch_top_candidates(const Mat& x, const int32_t* rows, const float* temperature, const int32_t* top_k,
+                           int n_rows, TopCandidatesRow* out, cudaStream_t s);
 // out += bias (broadcast over rows)
 void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s);
 // dst[i] = bf16(src[i]) for n contiguous floats

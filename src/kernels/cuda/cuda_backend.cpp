@@ -518,6 +518,7 @@ class CudaBackend final : public Backend {
                                             const std::vector<float>& temperature,
                                             const std::vector<int32_t>& top_k) override {
     check(temperature.size() == rows.size() && top_k.size() == rows.size(), "top_candidates: one setting per row");
+    if (rows.empty()) return {};
     check(!capturing_, "cuda backend: top_candidates synchronizes and cannot be captured");
     require_bf16(logits, "top_candidates input");
     for (int32_t r : rows) check(r >= 0 && r < logits.rows, "cuda backend: top_candidates row out of range");
@@ -720,12 +721,12 @@ class CudaBackend final : public Backend {
   cudaStream_t s_ = nullptr;
   std::unique_ptr<cuda::LtGemm> lt_;
   std::shared_ptr<StagingRing> ring_;
-  StagingRing* active_ring_ = nullptr;
+  StagingRing* active_ring_ = nullptr;  // ring_, or the ring of the graph being captured
   // Top-k candidates selected on the device: DFLASH_GPU_TOP_K=1 (off by default until the kernel
   // has passed CudaOps.TopCandidatesEqualTheHostSelection on a GPU).
   bool gpu_top_k_ = cuda::env_switch("DFLASH_GPU_TOP_K") == "1";
   cuda::TopCandidatesRow* top_out_ = nullptr;   // top_candidates' results, device and pinned host
-  cuda::TopCandidatesRow* top_host_ = nullptr;  // ring_, or the ring of the graph being captured
+  cuda::TopCandidatesRow* top_host_ = nullptr;
   // Recent uploads (contents -> device copy) of the active ring, valid until it wraps:
   // the positions and slots every layer passes are copied once per forward.
   std::vector<std::pair<std::string, const void*>> recent_;

@@ -153,13 +153,13 @@ if [[ $steps == *sampling* ]]; then
   : > "$out/sampling_gpu.txt"
   for gpu in 1 0; do
     for mode in "none match" "dflash match" "dflash rejection"; do
-      set -- $mode
-      echo "8b-shape speculative=$1 scheme=$2 DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
-        --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --speculative "$1" --spec-sampling "$2" \
+      read -r spec scheme <<< "$mode"
+      echo "8b-shape speculative=$spec scheme=$scheme DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
+        --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --speculative "$spec" --spec-sampling "$scheme" \
         --prompt-ids "$ids" --max-tokens 128 $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" ||
         status=1
-      echo "bundled speculative=$1 scheme=$2 DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
-        --device cuda --speculative "$1" --spec-sampling "$2" --prompt "def quicksort(items):" --max-tokens 256 \
+      echo "bundled speculative=$spec scheme=$scheme DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
+        --device cuda --speculative "$spec" --spec-sampling "$scheme" --prompt "def quicksort(items):" --max-tokens 256 \
         $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" || status=1
     done
   done

@@ -24,11 +24,18 @@ std::vector<TopCandidates> Backend::top_candidates(const Tensor& logits, const s
                                                    const std::vector<float>& temperature,
                                                    const std::vector<int32_t>& top_k) {
   check(temperature.size() == rows.size() && top_k.size() == rows.size(), "top_candidates: one setting per row");
-  std::vector<TopCandidates> out(rows.size());
-  if (rows.empty()) return out;
+  for (int32_t r : rows) check(r >= 0 && r < logits.rows, "top_candidates: row ", r, " out of range");
+  if (rows.empty()) return {};
+  return select_candidates(logits, rows, temperature, top_k);
+}
+
+std::vector<TopCandidates> Backend::select_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
+                                                      const std::vector<float>& temperature,
+                                                      const std::vector<int32_t>& top_k) {
   Tensor picked = alloc(static_cast<int64_t>(rows.size()), logits.cols);
   gather_rows(logits, rows, picked);
   const std::vector<float> host = to_host(picked);
+  std::vector<TopCandidates> out(rows.size());
   for (size_t i = 0; i < rows.size(); ++i)
     out[i] = select_top_candidates(host.data() + static_cast<int64_t>(i) * logits.cols, logits.cols, temperature[i],
                                    top_k[i]);

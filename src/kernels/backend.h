@@ -169,10 +169,16 @@ class Backend {
   // Index of the largest value per row (first on ties).
   virtual std::vector<int32_t> argmax_rows(const Tensor& x) = 0;
   // Per listed row i of `logits`: select_top_candidates(row rows[i], temperature[i] (> 0),
-  // top_k[i]) (kernels/top_candidates.h). This one copies the rows to the host and selects there.
-  virtual std::vector<TopCandidates> top_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
-                                                    const std::vector<float>& temperature,
-                                                    const std::vector<int32_t>& top_k);
+  // top_k[i]) (kernels/top_candidates.h). Checks the arguments, then select_candidates.
+  std::vector<TopCandidates> top_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
+                                            const std::vector<float>& temperature, const std::vector<int32_t>& top_k);
+
+ protected:
+  // top_candidates for checked, non-empty arguments. This one copies the rows to the host and
+  // selects there.
+  virtual std::vector<TopCandidates> select_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
+                                                       const std::vector<float>& temperature,
+                                                       const std::vector<int32_t>& top_k);
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

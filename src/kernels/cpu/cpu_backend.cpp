@@ -258,15 +258,12 @@ class CpuBackend final : public Backend {
   }
 
   // The rows are in host memory already: no copies.
-  std::vector<TopCandidates> top_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
-                                            const std::vector<float>& temperature,
-                                            const std::vector<int32_t>& top_k) override {
-    check(temperature.size() == rows.size() && top_k.size() == rows.size(), "top_candidates: one setting per row");
+  std::vector<TopCandidates> select_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
+                                               const std::vector<float>& temperature,
+                                               const std::vector<int32_t>& top_k) override {
     std::vector<TopCandidates> out;
-    for (size_t i = 0; i < rows.size(); ++i) {
-      check(rows[i] >= 0 && rows[i] < logits.rows, "cpu backend: top_candidates row out of range");
+    for (size_t i = 0; i < rows.size(); ++i)
       out.push_back(select_top_candidates(logits.row_f32(rows[i]), logits.cols, temperature[i], top_k[i]));
-    }
     return out;
   }
 

@@ -514,14 +514,11 @@ class CudaBackend final : public Backend {
   // With the device selection on (gpu_top_k_), rows with 0 < top_k <= kTopCandidatesMaxK select
   // on the device and copy back their candidates; the others (and rows the kernel could not
   // finish) go through the host.
-  std::vector<TopCandidates> top_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
-                                            const std::vector<float>& temperature,
-                                            const std::vector<int32_t>& top_k) override {
-    check(temperature.size() == rows.size() && top_k.size() == rows.size(), "top_candidates: one setting per row");
-    if (rows.empty()) return {};
+  std::vector<TopCandidates> select_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
+                                               const std::vector<float>& temperature,
+                                               const std::vector<int32_t>& top_k) override {
     check(!capturing_, "cuda backend: top_candidates synchronizes and cannot be captured");
     require_bf16(logits, "top_candidates input");
-    for (int32_t r : rows) check(r >= 0 && r < logits.rows, "cuda backend: top_candidates row out of range");
     std::vector<TopCandidates> out(rows.size());
     std::vector<size_t> on_device, on_host;
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -563,7 +560,7 @@ class CudaBackend final : public Backend {
       std::vector<int32_t> hr, hk;
       std::vector<float> ht;
       for (size_t i : on_host) hr.push_back(rows[i]), hk.push_back(top_k[i]), ht.push_back(temperature[i]);
-      auto host = Backend::top_candidates(logits, hr, ht, hk);
+      auto host = Backend::select_candidates(logits, hr, ht, hk);
       for (size_t j = 0; j < on_host.size(); ++j) out[on_host[j]] = std::move(host[j]);
     }
     return out;

@@ -142,7 +142,7 @@ if [[ $steps == *serving* ]]; then
 fi
 if [[ $steps == *sampling* ]]; then
   # Sampled generation (temperature 0.6, top-k 20, top-p 0.95: Qwen3's generation_config) with
-  # the top-k candidates selected on the GPU (DFLASH_GPU_TOP_K=1), and on the host (0: the rows
+  # the top-k candidates selected on the GPU (DFLASH_GPU_TOP_K=1, the default), and on the host (0: the rows
   # copied to the host): per-step times from `generate --json`, 8B-shaped random pair (drafts
   # never accepted) and the bundled pair.
   echo "== sampled generation: top-k candidates on the GPU and on the host =="

@@ -511,7 +511,7 @@ class CudaBackend final : public Backend {
     return result;
   }
 
-  // With the device selection on (gpu_top_k_), rows with 0 < top_k <= kTopCandidatesMaxK select
+  // With the device selection on (gpu_top_k_, the default), rows with 0 < top_k <= kTopCandidatesMaxK select
   // on the device and copy back their candidates; the others (and rows the kernel could not
   // finish) go through the host.
   std::vector<TopCandidates> select_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
@@ -719,9 +719,9 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::LtGemm> lt_;
   std::shared_ptr<StagingRing> ring_;
   StagingRing* active_ring_ = nullptr;  // ring_, or the ring of the graph being captured
-  // Top-k candidates selected on the device: DFLASH_GPU_TOP_K=1 (off by default until the kernel
-  // has passed CudaOps.TopCandidatesEqualTheHostSelection on a GPU).
-  bool gpu_top_k_ = cuda::env_switch("DFLASH_GPU_TOP_K") == "1";
+  // Top-k candidates selected on the device unless DFLASH_GPU_TOP_K=0 (the host selection, kept
+  // for comparison: bench/results/sampling_gpu_h100.txt).
+  bool gpu_top_k_ = cuda::env_switch("DFLASH_GPU_TOP_K") != "0";
   cuda::TopCandidatesRow* top_out_ = nullptr;   // top_candidates' results, device and pinned host
   cuda::TopCandidatesRow* top_host_ = nullptr;
   // Recent uploads (contents -> device copy) of the active ring, valid until it wraps:

@@ -423,8 +423,17 @@ TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   auto q = random(rows, q_dim, 2.0f), out = poisoned(rows, q_dim);
   const AttentionParams ap{ac.n_heads, ac.n_kv_heads, ac.head_dim, ac.window, ac.page_size};
   cpu->attention(q.c, cc.k[0], cc.v[0], segs, positions, ap, out.c);
+  setenv("DFLASH_ATTN_SPLIT_LOOP", "0", 1);  // splits in parallel, then the combine kernel
   gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, out.g);
   expect_close(out, "attention");
+
+  // The form that runs a tile's splits in one block and combines them itself (large batches)
+  // gives the same bits.
+  auto looped = poisoned(rows, q_dim);
+  setenv("DFLASH_ATTN_SPLIT_LOOP", "1", 1);
+  gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, looped.g);
+  unsetenv("DFLASH_ATTN_SPLIT_LOOP");
+  EXPECT_EQ(gpu->to_host(looped.g), gpu->to_host(out.g)) << "splits combined in the attention block";
 
   // A verification row equals the same query decoded alone at its position.
   const int r = segs[1].first_row + 7;

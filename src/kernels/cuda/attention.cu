@@ -264,17 +264,22 @@ bool attention_may_release_early(const void* kernel, int threads, int64_t blocks
   return !off && gpu_holds_grid(kernel, threads, blocks);
 }
 
+int sm_count() {
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks) {
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, int64_t> capacity;  // blocks the GPU holds at once
   std::lock_guard<std::mutex> lock(mu);
   auto it = capacity.find({kernel, threads});
   if (it == capacity.end()) {
-    int device = 0, sms = 0, per_sm = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    int per_sm = 0;
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-    it = capacity.emplace(std::make_pair(kernel, threads), int64_t{sms} * per_sm).first;
+    it = capacity.emplace(std::make_pair(kernel, threads), int64_t{sm_count()} * per_sm).first;
   }
   return blocks <= it->second;
 }
@@ -301,10 +306,10 @@ void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_c
                             cudaStream_t s) {
   if (n_rows == 0) return;
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
-  bool early = false;
+  bool early = false, combined = false;
   launch_attention_mma(q, fresh, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out,
-                       early, s);
-  launch_combine(rows, n_rows, splits, shp, workspace, out, early, s);
+                       early, combined, s);
+  if (!combined) launch_combine(rows, n_rows, splits, shp, workspace, out, early, s);
 }
 
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,

@@ -27,59 +27,69 @@ __device__ __forceinline__ int64_t key_slot(const int32_t* pages, int key, int p
   return static_cast<int64_t>(pages[key / page_size]) * page_size + key % page_size;
 }
 
+// Splits combine in split order, one at a time, into a running (m, l, acc) that starts empty
+// (-inf, 0, 0): merge_coef takes the next split's maximum and gives the two scale factors, then
+// merged() scales each of l and acc. The roundings are spelled out (no contraction left to the
+// compiler), so the combine kernel and the attention kernel that combines its own splits
+// (attention_mma.cu) compute the same bits.
+struct MergeCoef {
+  float self, other;
+  bool skip;  // neither has a visible key: the state stays as it is
+};
+__device__ __forceinline__ MergeCoef merge_coef(float& m, float m_split) {
+  const float m_new = fmaxf(m, m_split);
+  if (m_new == -INFINITY) return {1.0f, 0.0f, true};
+  const MergeCoef c{__expf(m - m_new), __expf(m_split - m_new), false};
+  m = m_new;
+  return c;
+}
+__device__ __forceinline__ float merged(float x, float x_split, const MergeCoef& c) {
+  return __fmaf_rn(x, c.self, __fmul_rn(x_split, c.other));
+}
+// The output value of a combined state: acc / l (0 for a row that saw no key).
+__device__ __forceinline__ float inverse_of_sum(float l) { return l > 0.0f ? __fdiv_rn(1.0f, l) : 0.0f; }
+
 // One warp combines the splits of one (row, head): `base` holds n_splits partials of
-// (m, l, acc[hd]) floats. The normalizer goes over lanes (lane-strided, then a butterfly),
-// the values in split order. Everything the first kBatch splits need is requested before any
-// of it is used (one trip to L2 for a row of up to kBatch splits). Fixed orders, whatever the
-// batch: batch-independent. Loads bypass L1: the partials come from another kernel.
-// kDims: head dims per lane (head_dim <= 32 * kDims); it and kBatch change registers, not results.
+// (m, l, acc[hd]) floats, merged in split order as above. Everything kBatch splits need is
+// requested before any of it is used (one trip to L2 for a row of up to kBatch splits). Loads
+// bypass L1: the partials come from another kernel. kDims: head dims per lane (head_dim <= 32 *
+// kDims); it and kBatch change registers, not results.
 template <int kDims>
 __device__ __forceinline__ void combine_splits(const float* base, int n_splits, int hd, bf16* out) {
   constexpr int kBatch = kDims <= 4 ? 16 : 8;
   const int lane = threadIdx.x % 32, stride = hd + 2;
-  float mb[kBatch], v[kBatch][kDims];  // a batch of splits: their maxima and this lane's values
-  auto load_batch = [&](int s0) {
+  float mb[kBatch], lb[kBatch], v[kBatch][kDims];  // a batch of splits: maxima, sums, this lane's values
+  float m = -INFINITY, l = 0.0f, a[kDims];
+#pragma unroll
+  for (int j = 0; j < kDims; ++j) a[j] = 0.0f;
+  for (int s0 = 0; s0 < n_splits; s0 += kBatch) {
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int s = s0 + u;
       mb[u] = s < n_splits ? __ldcg(base + s * stride) : -INFINITY;
+      lb[u] = s < n_splits ? __ldcg(base + s * stride + 1) : 0.0f;
 #pragma unroll
       for (int j = 0; j < kDims; ++j) {
         const int d = lane + 32 * j;
         v[u][j] = s < n_splits && d < hd ? __ldcg(base + s * stride + 2 + d) : 0.0f;  // every split writes its values
       }
     }
-  };
-  load_batch(0);
-  const float m_lane = lane < n_splits ? __ldcg(base + lane * stride) : -INFINITY;
-  const float l_lane = lane < n_splits ? __ldcg(base + lane * stride + 1) : 0.0f;
-  float m = m_lane;
-  for (int s = lane + 32; s < n_splits; s += 32) m = fmaxf(m, __ldcg(base + s * stride));
-  m = warp_max(m);
-  float l = m_lane != -INFINITY ? l_lane * __expf(m_lane - m) : 0.0f;
-  for (int s = lane + 32; s < n_splits; s += 32) {
-    const float ms = __ldcg(base + s * stride);
-    if (ms != -INFINITY) l += __ldcg(base + s * stride + 1) * __expf(ms - m);
-  }
-  l = warp_sum(l);
-  float a[kDims];
-#pragma unroll
-  for (int j = 0; j < kDims; ++j) a[j] = 0.0f;
-  for (int s0 = 0; s0 < n_splits; s0 += kBatch) {
-    if (s0 > 0) load_batch(s0);
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const float c = mb[u] != -INFINITY ? __expf(mb[u] - m) : 0.0f;
+      if (s0 + u >= n_splits) break;
+      const MergeCoef c = merge_coef(m, mb[u]);
+      if (c.skip) continue;
+      l = merged(l, lb[u], c);
 #pragma unroll
-      for (int j = 0; j < kDims; ++j) a[j] += v[u][j] * c;
+      for (int j = 0; j < kDims; ++j) a[j] = merged(a[j], v[u][j], c);
     }
   }
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  const float inv = inverse_of_sum(l);
   auto* o = reinterpret_cast<__nv_bfloat16*>(out);
 #pragma unroll
   for (int j = 0; j < kDims; ++j) {
     const int d = lane + 32 * j;
-    if (d < hd) o[d] = __float2bfloat16(a[j] * inv);
+    if (d < hd) o[d] = __float2bfloat16(__fmul_rn(a[j], inv));
   }
 }
 

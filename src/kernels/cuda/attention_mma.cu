@@ -11,7 +11,12 @@
 // softmax over its 16 keys in fp32, P rounded to bf16 (and summed as rounded),
 // then O += P V with V staged in shared memory and read transposed by ldmatrix.
 // The warps merge in warp order; several splits are combined by the combine
-// kernel of attention.cu, exactly as for the per-row kernel.
+// kernel of attention.cu, exactly as for the per-row kernel, or (kLoop) by the
+// block itself: it runs its tile's splits one after another and merges each
+// into a running state in shared memory with the combine's arithmetic
+// (attention_common.cuh), so both forms give the same bits. The loop form is
+// for grids that fill the GPU without splitting (large batches): no partials
+// go through memory and no combine kernel runs.
 //
 // No arithmetic mixes the rows of a tile and every order is fixed, so a row's
 // result does not depend on the rows it is batched with.
@@ -105,7 +110,8 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
                                              const int (&vpos)[2], const int (&lo)[2], const int (&hi)[2],
                                              const int (&vsplits)[2], const bool (&vok)[2], float* workspace,
                                              int max_splits, bf16* out, int64_t out_stride, bf16 (*v_s)[16][HD + 8],
-                                             float (*other)[4 + HD / 2][32], bf16 (*q_s)[HD + 8], bool l2_hint) {
+                                             float (*other)[4 + HD / 2][32], bf16 (*q_s)[HD + 8], bool l2_hint,
+                                             float (*state)[32]) {
   constexpr int kChunks = HD / 32;   // 32-dim chunks of the score product
   constexpr int kDimTiles = HD / 8;  // 8-dim tiles of the output
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4, hd = shp.head_dim;
@@ -304,10 +310,36 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
     }
   }
 
-  // A vector with one split writes its output; otherwise its split's (m, l, acc) for the combine.
+  // A vector with one split writes its output; otherwise its split's (m, l, acc) goes to the
+  // combine, or (state: the loop form) merges into the running state, and the last split writes.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (!vok[h] || split >= vsplits[h]) continue;
+    if (state && vsplits[h] > 1) {
+      float sm = state[h][lane];  // lane-minor, as `other`: (m, l) of both vectors, then acc
+      const MergeCoef c = merge_coef(sm, m[h]);
+      if (!c.skip) {
+        state[h][lane] = sm;
+        state[2 + h][lane] = merged(state[2 + h][lane], l[h], c);
+#pragma unroll
+        for (int nt = 0; nt < kDimTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            state[4 + nt * 4 + 2 * h + e][lane] = merged(state[4 + nt * 4 + 2 * h + e][lane], acc[nt][2 * h + e], c);
+      }
+      if (split == vsplits[h] - 1) {
+        const float inv = inverse_of_sum(state[2 + h][lane]);
+        bf16* o = out + vrow[h] * out_stride + static_cast<int64_t>(vhead[h]) * hd;
+#pragma unroll
+        for (int nt = 0; nt < kDimTiles; ++nt) {
+          const int d = nt * 8 + 2 * qd;
+          if (d < hd)
+            *reinterpret_cast<uint32_t*>(o + d) = pack_bf16(__fmul_rn(state[4 + nt * 4 + 2 * h][lane], inv),
+                                                            __fmul_rn(state[4 + nt * 4 + 2 * h + 1][lane], inv));
+        }
+      }
+      continue;
+    }
     if (vsplits[h] == 1) {
       const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
       bf16* o = out + vrow[h] * out_stride + static_cast<int64_t>(vhead[h]) * hd;
@@ -331,9 +363,10 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
 }
 
 // HD: head_dim rounded up to 64 or 128. `heads` query heads of a KV head's group per block
-// (the group, or chunks of 16), 16 / heads rows per tile.
-template <int HD, bool kFused>
-__global__ void __launch_bounds__(kWarps * 32)
+// (the group, or chunks of 16), 16 / heads rows per tile. kLoop: the block runs all its tile's
+// splits (grid.y 1) and combines them itself.
+template <int HD, bool kFused, bool kLoop>
+__global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
     attention_mma_kernel(const bf16* q, int64_t q_stride, bf16* kc, int64_t k_stride, bf16* vc, int64_t v_stride,
                          AttnFresh fresh, const AttnRow* rows, const AttnTile* tiles, const int32_t* page_tables,
                          AttnShape shp, int heads, float* workspace, int max_splits, bf16* out, int64_t out_stride,
@@ -346,6 +379,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr size_t kVBytes = sizeof(bf16) * kWarps * 16 * kVRow, kOtherBytes = sizeof(float) * (kWarps - 1) * kState * 32;
   __shared__ __align__(16) unsigned char smem[kVBytes > kOtherBytes ? kVBytes : kOtherBytes];
   __shared__ __align__(16) bf16 q_s[kFused ? kVecs : 1][kVRow];  // the fused form's rotated queries
+  __shared__ float state_s[kLoop ? kState : 1][32];               // the loop form's running state
   auto v_s = reinterpret_cast<bf16(*)[16][kVRow]>(smem);
   auto other = reinterpret_cast<float(*)[kState][32]>(smem);
   // A grid larger than the GPU releases the next kernel only when its blocks are done (below):
@@ -363,12 +397,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + heads - 1) / heads;
   const int chunk = blockIdx.x % chunks, kv_head = (blockIdx.x / chunks) % shp.n_kv_heads;
   const AttnTile tile = tiles[blockIdx.x / chunks / shp.n_kv_heads];
-  const int split = blockIdx.y, tile_rows = kVecs / heads;
+  const int tile_rows = kVecs / heads;
 
   // This thread's two query vectors, g and g + 8 (vector i = row i / heads, head i % heads).
   int vrow[2], vhead[2], lo[2], hi[2], vsplits[2];
   int vpos[2];
   bool vok[2];
+  Visible vis[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = g + 8 * h, ri = i / heads, hj = chunk * heads + i % heads;
@@ -377,16 +412,32 @@ __global__ void __launch_bounds__(kWarps * 32)
     vhead[h] = kv_head * group + hj;
     const AttnRow& rv = rows[vrow[h]];
     vpos[h] = rv.position;
-    const Visible vis = visible_keys(rv, shp.sliding_window);
-    vsplits[h] = vok[h] ? max(n_splits_of(vis), 1) : 0;  // a row with no keys still writes its zeros
-    lo[h] = max(vis.begin, split * kAttnSplitKeys);
-    hi[h] = vok[h] ? min(vis.end, (split + 1) * kAttnSplitKeys) : lo[h];
+    vis[h] = visible_keys(rv, shp.sliding_window);
+    vsplits[h] = vok[h] ? max(n_splits_of(vis[h]), 1) : 0;  // a row with no keys still writes its zeros
   }
-  // Blocks of splits that no vector of the tile has skip the work.
-  if (__syncthreads_or(split < vsplits[0] || split < vsplits[1]))
+  auto run_split = [&](int split) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lo[h] = max(vis[h].begin, split * kAttnSplitKeys);
+      hi[h] = vok[h] ? min(vis[h].end, (split + 1) * kAttnSplitKeys) : lo[h];
+    }
     attend_split<HD, kFused>(q, q_stride, kc, k_stride, vc, v_stride, fresh, rows[tile.first_row],
-                     chunk == 0 ? tile : AttnTile{0, 0}, page_tables, shp, kv_head, split, vrow, vhead, vpos, lo, hi,
-                     vsplits, vok, workspace, max_splits, out, out_stride, v_s, other, q_s, l2_hint != 0);
+                             chunk == 0 ? tile : AttnTile{0, 0}, page_tables, shp, kv_head, split, vrow, vhead, vpos,
+                             lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, other, q_s,
+                             l2_hint != 0, kLoop ? state_s : nullptr);
+  };
+  if constexpr (kLoop) {
+    if (threadIdx.x < 32) {  // warp 0 owns the state: empty, then each split merged in order
+#pragma unroll
+      for (int i = 0; i < kState; ++i) state_s[i][threadIdx.x] = i < 2 ? -INFINITY : 0.0f;
+    }
+    // The barrier also keeps a split's V tile from overwriting the previous split's merge data.
+    for (int split = 0; __syncthreads_or(split < vsplits[0] || split < vsplits[1]); ++split) run_split(split);
+  } else {
+    // Blocks of splits that no vector of the tile has skip the work.
+    const int split = blockIdx.y;
+    if (__syncthreads_or(split < vsplits[0] || split < vsplits[1])) run_split(split);
+  }
 
   if (!release_early) pdl_release();
 }
@@ -394,7 +445,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 }  // namespace
 
 namespace {
-// (tiles x KV heads x head chunks, splits)
+// (tiles x KV heads x head chunks, splits): splits is 1 for the loop form
 dim3 grid_of(const AttnShape& shp, int n_tiles, int splits) {
   const int heads = attention_mma_heads(shp), group = shp.n_heads / shp.n_kv_heads;
   const int chunks = (group + heads - 1) / heads;
@@ -408,15 +459,28 @@ int attention_mma_heads(const AttnShape& shp) {
   return std::min(shp.n_heads / shp.n_kv_heads, kVecs);
 }
 
+// Whether a grid of `blocks` blocks a split (the non-fused kernel) runs its splits in a loop:
+// DFLASH_ATTN_SPLIT_LOOP=1 always, 0 never, else when the blocks alone fill the GPU several
+// times over (DFLASH_ATTN_LOOP_MIN_BLOCKS, default 4 per SM). Read at each launch, so tests can
+// compare both forms in one process (the same bits either way).
+bool loop_splits(int64_t blocks) {
+  const std::string mode = env_switch("DFLASH_ATTN_SPLIT_LOOP");
+  if (mode == "0" || mode == "1") return mode == "1";
+  const std::string min_blocks = env_switch("DFLASH_ATTN_LOOP_MIN_BLOCKS");
+  if (!min_blocks.empty()) return blocks >= std::stoll(min_blocks);
+  return blocks >= 4 * int64_t{sm_count()};
+}
+
 void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
                           const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
                           const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
-                          bool& released_early, cudaStream_t s) {
+                          bool& released_early, bool& combined, cudaStream_t s) {
   // Key and value rows are read with a 128-byte L2 prefetch hint (H100, context 2048, batch 32:
   // 11.62 -> 11.45 ms a plain step; no change at batch 1); DFLASH_ATTN_L2_HINT=0 turns it off.
   static const int l2_hint = env_switch("DFLASH_ATTN_L2_HINT") != "0";
   static const bool fresh_release_after_wait = env_switch("DFLASH_FRESH_RELEASE") != "before";
-  const dim3 grid = grid_of(shp, n_tiles, splits);
+  combined = !fresh.k && splits > 1 && loop_splits(grid_of(shp, n_tiles, 1).x);
+  const dim3 grid = grid_of(shp, n_tiles, combined ? 1 : splits);
   const int heads = attention_mma_heads(shp);
   auto run = [&](auto kernel) {
     released_early = attention_may_release_early(reinterpret_cast<const void*>(kernel), kWarps * 32, int64_t{grid.x} * grid.y);
@@ -425,18 +489,21 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
            released_early ? (fresh.k && fresh_release_after_wait ? 2 : 1) : 0, l2_hint);
   };
   if (fresh.k) {
-    if (shp.head_dim <= 64) run(attention_mma_kernel<64, true>);
-    else run(attention_mma_kernel<128, true>);
+    if (shp.head_dim <= 64) run(attention_mma_kernel<64, true, false>);
+    else run(attention_mma_kernel<128, true, false>);
+  } else if (combined) {
+    if (shp.head_dim <= 64) run(attention_mma_kernel<64, false, true>);
+    else run(attention_mma_kernel<128, false, true>);
   } else {
-    if (shp.head_dim <= 64) run(attention_mma_kernel<64, false>);
-    else run(attention_mma_kernel<128, false>);
+    if (shp.head_dim <= 64) run(attention_mma_kernel<64, false, false>);
+    else run(attention_mma_kernel<128, false, false>);
   }
 }
 
 bool attention_mma_fresh_in_one_wave(const AttnShape& shp, int n_tiles, int splits) {
   const dim3 grid = grid_of(shp, n_tiles, splits);
-  const void* kernel = shp.head_dim <= 64 ? reinterpret_cast<const void*>(attention_mma_kernel<64, true>)
-                                          : reinterpret_cast<const void*>(attention_mma_kernel<128, true>);
+  const void* kernel = shp.head_dim <= 64 ? reinterpret_cast<const void*>(attention_mma_kernel<64, true, false>)
+                                          : reinterpret_cast<const void*>(attention_mma_kernel<128, true, false>);
   return gpu_holds_grid(kernel, kWarps * 32, int64_t{grid.x} * grid.y);
 }
 

@@ -21,12 +21,16 @@ bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks);
 // rotation in every split, which pays (against a kernel less) only while the grid is one wave.
 bool attention_mma_fresh_in_one_wave(const AttnShape& shape, int n_tiles, int splits);
 
-// Partial results of rows with several splits go to `workspace` for the combine kernel.
-// released_early: set to whether the kernel releases its successor at its start. With
-// fresh.k, the fused form (launch.h's AttnFresh; head_dim 64 or 128).
+// The number of SMs of the current device.
+int sm_count();
+
+// Partial results of rows with several splits go to `workspace` for the combine kernel, unless
+// the kernel combined them itself (`combined`: large grids, the loop form). released_early:
+// set to whether the kernel releases its successor at its start. With fresh.k, the fused form
+// (launch.h's AttnFresh; head_dim 64 or 128).
 void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
                           const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
                           const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
-                          bool& released_early, cudaStream_t s);
+                          bool& released_early, bool& combined, cudaStream_t s);
 
 }  // namespace dflash::cuda

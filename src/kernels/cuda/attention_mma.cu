@@ -101,8 +101,10 @@ __device__ __forceinline__ void norm_rope_quad(uint4 (&x)[kChunks], const bf16* 
 // all), then the warps' merge and the output (one split) or the split's partial (several).
 // With fresh.k: queries and the keys from r0.fresh_begin on come from qkv, normalized and
 // rotated here; a block of the first head chunk writes the new keys of its own tile's rows
-// (`writes`: rows [first, first + n) of the batch) to the cache.
-template <int HD, bool kFused>
+// (`writes`: rows [first, first + n) of the batch) to the cache. kSpread: the four warps share
+// the merge (the loop form, where it runs once a split); else warp 0 merges alone (fewer
+// shared-memory trips: faster where a block runs one split). The same arithmetic either way.
+template <int HD, bool kFused, bool kSpread>
 __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf16* kc, int64_t k_stride, bf16* vc,
                                              int64_t v_stride, const AttnFresh& fresh, const AttnRow r0,
                                              const AttnTile writes, const int32_t* page_tables, const AttnShape& shp,
@@ -110,8 +112,8 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
                                              const int (&vpos)[2], const int (&lo)[2], const int (&hi)[2],
                                              const int (&vsplits)[2], const bool (&vok)[2], float* workspace,
                                              int max_splits, bf16* out, int64_t out_stride, bf16 (*v_s)[16][HD + 8],
-                                             float (*other)[4 + HD / 2][32], bf16 (*q_s)[HD + 8], bool l2_hint,
-                                             float (*state)[32]) {
+                                             float* merge_s, bf16 (*q_s)[HD + 8], bool l2_hint, float (&st_m)[2],
+                                             float (&st_l)[2], float* st_acc) {
   constexpr int kChunks = HD / 32;   // 32-dim chunks of the score product
   constexpr int kDimTiles = HD / 8;  // 8-dim tiles of the output
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4, hd = shp.head_dim;
@@ -280,84 +282,132 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
     mma_bf16(acc[2 * np], pa0, pa1, pa2, pa3, b[0], b[1]);
     mma_bf16(acc[2 * np + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
   }
-  __syncthreads();  // every warp has read its V tile: `other` reuses that memory
+  __syncthreads();  // every warp has read its V tile: the merge data reuses that memory
 
-  // The warps merge in warp order (a fixed order: batch-independent).
-  if (warp > 0) {
-    float(*o)[32] = other[warp - 1];
-    o[0][lane] = m[0], o[1][lane] = m[1], o[2][lane] = l[0], o[3][lane] = l[1];
+  // The warps merge in warp order (a fixed order: batch-independent): the result starts as warp
+  // 0's (m, l, acc) and merges warps 1, 2, 3 in turn. Spread: each warp does that for a quarter
+  // of the dims (warp q: dim tiles [q * kQ, q * kQ + kQ)), so every warp publishes its (m, l) and
+  // the quarters the others merge. Else warps 1-3 publish everything and warp 0 merges.
+  constexpr int kQ = kSpread ? kDimTiles / kWarps : kDimTiles;  // dim tiles this warp merges and writes
+  const int nt0 = kSpread ? warp * kQ : 0;
+  float a[kQ][4];
+  if constexpr (kSpread) {
+    float* ml = merge_s;                          // [kWarps][4][32]: m0, m1, l0, l1
+    float* quarters = merge_s + kWarps * 4 * 32;  // [kWarps][kWarps - 1][kQ * 4][32]
+    auto quarter_at = [&](int src, int q) {       // src's values of quarter q (q != src)
+      return quarters + ((src * (kWarps - 1) + (q < src ? q : q - 1)) * kQ * 4) * 32;
+    };
+    ml[(warp * 4 + 0) * 32 + lane] = m[0], ml[(warp * 4 + 1) * 32 + lane] = m[1];
+    ml[(warp * 4 + 2) * 32 + lane] = l[0], ml[(warp * 4 + 3) * 32 + lane] = l[1];
+    float mine[kQ][4];  // this warp's own quarter (selected with constant indices: registers)
 #pragma unroll
-    for (int nt = 0; nt < kDimTiles; ++nt)
+    for (int q = 0; q < kWarps; ++q) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) o[4 + nt * 4 + i][lane] = acc[nt][i];
-  }
-  __syncthreads();
-  if (warp > 0) return;  // warp 0 merges and writes
-  for (int w = 0; w < kWarps - 1; ++w) {
-    const float(*o)[32] = other[w];
+      for (int j = 0; j < kQ; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float om = o[h][lane], m_new = fmaxf(m[h], om);
-      if (m_new == -INFINITY) continue;  // neither has a visible key
-      const float c_self = __expf(m[h] - m_new), c_other = __expf(om - m_new);
-      l[h] = l[h] * c_self + o[2 + h][lane] * c_other;
+        for (int i = 0; i < 4; ++i) {
+          if (q == warp) mine[j][i] = acc[q * kQ + j][i];
+          else quarter_at(warp, q)[(j * 4 + i) * 32 + lane] = acc[q * kQ + j][i];
+        }
+    }
+    __syncthreads();
+    auto value = [&](int src, int j, int i) {
+      return src == warp ? mine[j][i] : quarter_at(src, warp)[(j * 4 + i) * 32 + lane];
+    };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) m[h] = ml[h * 32 + lane], l[h] = ml[(2 + h) * 32 + lane];
+#pragma unroll
+    for (int j = 0; j < kQ; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[j][i] = value(0, j, i);
+    for (int w = 1; w < kWarps; ++w) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const MergeCoef c = merge_coef(m[h], ml[(w * 4 + h) * 32 + lane]);
+        if (c.skip) continue;  // neither has a visible key
+        l[h] = merged(l[h], ml[(w * 4 + 2 + h) * 32 + lane], c);
+#pragma unroll
+        for (int j = 0; j < kQ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) a[j][2 * h + e] = merged(a[j][2 * h + e], value(w, j, 2 * h + e), c);
+      }
+    }
+  } else {
+    constexpr int kState = 4 + HD / 2;  // m and l of two vectors, then the accumulators
+    auto other = reinterpret_cast<float(*)[kState][32]>(merge_s);
+    if (warp > 0) {
+      float(*o)[32] = other[warp - 1];
+      o[0][lane] = m[0], o[1][lane] = m[1], o[2][lane] = l[0], o[3][lane] = l[1];
 #pragma unroll
       for (int nt = 0; nt < kDimTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          acc[nt][2 * h + e] = acc[nt][2 * h + e] * c_self + o[4 + nt * 4 + 2 * h + e][lane] * c_other;
-      m[h] = m_new;
+        for (int i = 0; i < 4; ++i) o[4 + nt * 4 + i][lane] = acc[nt][i];
+    }
+    __syncthreads();
+    if (warp > 0) return;  // warp 0 merges and writes
+#pragma unroll
+    for (int nt = 0; nt < kDimTiles; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[nt][i] = acc[nt][i];
+    for (int w = 0; w < kWarps - 1; ++w) {
+      const float(*o)[32] = other[w];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const MergeCoef c = merge_coef(m[h], o[h][lane]);
+        if (c.skip) continue;  // neither has a visible key
+        l[h] = merged(l[h], o[2 + h][lane], c);
+#pragma unroll
+        for (int nt = 0; nt < kDimTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) a[nt][2 * h + e] = merged(a[nt][2 * h + e], o[4 + nt * 4 + 2 * h + e][lane], c);
+      }
     }
   }
 
   // A vector with one split writes its output; otherwise its split's (m, l, acc) goes to the
-  // combine, or (state: the loop form) merges into the running state, and the last split writes.
+  // combine, or (the loop form) merges into the running state (st_m, st_l in every warp's
+  // registers, the warp's quarter of acc in st_acc), and the last split writes. Each warp writes
+  // its quarter of the dims.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (!vok[h] || split >= vsplits[h]) continue;
-    if (state && vsplits[h] > 1) {
-      float sm = state[h][lane];  // lane-minor, as `other`: (m, l) of both vectors, then acc
-      const MergeCoef c = merge_coef(sm, m[h]);
+    bf16* o = out + vrow[h] * out_stride + static_cast<int64_t>(vhead[h]) * hd;
+    auto write_out = [&](auto value_of, float inv) {
+#pragma unroll
+      for (int j = 0; j < kQ; ++j) {
+        const int d = (nt0 + j) * 8 + 2 * qd;
+        if (d < hd)
+          *reinterpret_cast<uint32_t*>(o + d) =
+              pack_bf16(__fmul_rn(value_of(j, 2 * h), inv), __fmul_rn(value_of(j, 2 * h + 1), inv));
+      }
+    };
+    if (kSpread && st_acc && vsplits[h] > 1) {  // (the loop form's state is kept in quarters)
+      const MergeCoef c = merge_coef(st_m[h], m[h]);
       if (!c.skip) {
-        state[h][lane] = sm;
-        state[2 + h][lane] = merged(state[2 + h][lane], l[h], c);
+        st_l[h] = merged(st_l[h], l[h], c);
 #pragma unroll
-        for (int nt = 0; nt < kDimTiles; ++nt)
+        for (int j = 0; j < kQ; ++j)
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            state[4 + nt * 4 + 2 * h + e][lane] = merged(state[4 + nt * 4 + 2 * h + e][lane], acc[nt][2 * h + e], c);
+          for (int e = 0; e < 2; ++e) {
+            float& x = st_acc[(warp * kQ * 4 + j * 4 + 2 * h + e) * 32 + lane];
+            x = merged(x, a[j][2 * h + e], c);
+          }
       }
-      if (split == vsplits[h] - 1) {
-        const float inv = inverse_of_sum(state[2 + h][lane]);
-        bf16* o = out + vrow[h] * out_stride + static_cast<int64_t>(vhead[h]) * hd;
-#pragma unroll
-        for (int nt = 0; nt < kDimTiles; ++nt) {
-          const int d = nt * 8 + 2 * qd;
-          if (d < hd)
-            *reinterpret_cast<uint32_t*>(o + d) = pack_bf16(__fmul_rn(state[4 + nt * 4 + 2 * h][lane], inv),
-                                                            __fmul_rn(state[4 + nt * 4 + 2 * h + 1][lane], inv));
-        }
-      }
+      if (split == vsplits[h] - 1)
+        write_out([&](int j, int k) { return st_acc[(warp * kQ * 4 + j * 4 + k) * 32 + lane]; }, inverse_of_sum(st_l[h]));
       continue;
     }
     if (vsplits[h] == 1) {
-      const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-      bf16* o = out + vrow[h] * out_stride + static_cast<int64_t>(vhead[h]) * hd;
-#pragma unroll
-      for (int nt = 0; nt < kDimTiles; ++nt) {
-        const int d = nt * 8 + 2 * qd;
-        if (d < hd)
-          *reinterpret_cast<uint32_t*>(o + d) = pack_bf16(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
-      }
+      write_out([&](int j, int k) { return a[j][k]; }, inverse_of_sum(l[h]));
       continue;
     }
     float* part =
         workspace + ((static_cast<int64_t>(vrow[h]) * shp.n_heads + vhead[h]) * max_splits + split) * (hd + 2);
-    if (qd == 0) part[0] = m[h], part[1] = l[h];
+    if (warp == 0 && qd == 0) part[0] = m[h], part[1] = l[h];
 #pragma unroll
-    for (int nt = 0; nt < kDimTiles; ++nt) {
-      const int d = nt * 8 + 2 * qd;
-      if (d < hd) part[2 + d] = acc[nt][2 * h], part[3 + d] = acc[nt][2 * h + 1];
+    for (int j = 0; j < kQ; ++j) {
+      const int d = (nt0 + j) * 8 + 2 * qd;
+      if (d < hd) part[2 + d] = a[j][2 * h], part[3 + d] = a[j][2 * h + 1];
     }
   }
 }
@@ -372,16 +422,20 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
                          AttnShape shp, int heads, float* workspace, int max_splits, bf16* out, int64_t out_stride,
                          int release_early, int l2_hint) {
   constexpr int kVRow = HD + 8;      // padded: the 8 rows an ldmatrix reads fall on different banks
-  constexpr int kState = 4 + HD / 2;  // m and l of two vectors, their HD / 8 accumulator tiles
-  // The warps' V tiles, then the later warps' (m, l, acc) for the merge (lane-minor: no bank
-  // conflicts), in one piece of shared memory: 26 instead of 43 KB for heads of 128, so that two
-  // blocks of the product after it (released early) fit an SM beside one of these.
-  constexpr size_t kVBytes = sizeof(bf16) * kWarps * 16 * kVRow, kOtherBytes = sizeof(float) * (kWarps - 1) * kState * 32;
-  __shared__ __align__(16) unsigned char smem[kVBytes > kOtherBytes ? kVBytes : kOtherBytes];
+  constexpr int kAccs = HD / 2;       // accumulators of a lane: HD / 8 tiles of 4
+  // The warps' V tiles, then the merge data: every warp's (m, l) and the three quarters of its
+  // accumulators that other warps merge (lane-minor: no bank conflicts), in one piece of shared
+  // memory: 26 KB for heads of 128, so that two blocks of the product after it (released early)
+  // fit an SM beside one of these.
+  constexpr size_t kVBytes = sizeof(bf16) * kWarps * 16 * kVRow;
+  constexpr size_t kMergeBytes = kLoop ? sizeof(float) * kWarps * (4 + (kWarps - 1) * kAccs / kWarps) * 32
+                                      : sizeof(float) * (kWarps - 1) * (4 + kAccs) * 32;
+  __shared__ __align__(16) unsigned char smem[kVBytes > kMergeBytes ? kVBytes : kMergeBytes];
   __shared__ __align__(16) bf16 q_s[kFused ? kVecs : 1][kVRow];  // the fused form's rotated queries
-  __shared__ float state_s[kLoop ? kState : 1][32];               // the loop form's running state
+  __shared__ float st_acc[kLoop ? kAccs : 1][32];  // the loop form's running accumulators (a quarter per warp)
   auto v_s = reinterpret_cast<bf16(*)[16][kVRow]>(smem);
-  auto other = reinterpret_cast<float(*)[kState][32]>(smem);
+  auto merge_s = reinterpret_cast<float*>(smem);
+  float st_m[2] = {-INFINITY, -INFINITY}, st_l[2] = {0.0f, 0.0f};  // the loop form's running (m, l), in every warp
   // A grid larger than the GPU releases the next kernel only when its blocks are done (below):
   // launched earlier, that kernel's blocks would take the SMs this one still needs for its later
   // blocks (a product then runs on part of the GPU: measured, plain batch 32 10.0 -> 12.7 ms).
@@ -421,16 +475,14 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
       lo[h] = max(vis[h].begin, split * kAttnSplitKeys);
       hi[h] = vok[h] ? min(vis[h].end, (split + 1) * kAttnSplitKeys) : lo[h];
     }
-    attend_split<HD, kFused>(q, q_stride, kc, k_stride, vc, v_stride, fresh, rows[tile.first_row],
+    attend_split<HD, kFused, kLoop>(q, q_stride, kc, k_stride, vc, v_stride, fresh, rows[tile.first_row],
                              chunk == 0 ? tile : AttnTile{0, 0}, page_tables, shp, kv_head, split, vrow, vhead, vpos,
-                             lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, other, q_s,
-                             l2_hint != 0, kLoop ? state_s : nullptr);
+                             lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, merge_s, q_s,
+                             l2_hint != 0, st_m, st_l, kLoop ? &st_acc[0][0] : nullptr);
   };
   if constexpr (kLoop) {
-    if (threadIdx.x < 32) {  // warp 0 owns the state: empty, then each split merged in order
-#pragma unroll
-      for (int i = 0; i < kState; ++i) state_s[i][threadIdx.x] = i < 2 ? -INFINITY : 0.0f;
-    }
+    // The state starts empty; each split merges into it in order.
+    for (int i = threadIdx.x; i < kAccs * 32; i += kWarps * 32) (&st_acc[0][0])[i] = 0.0f;
     // The barrier also keeps a split's V tile from overwriting the previous split's merge data.
     for (int split = 0; __syncthreads_or(split < vsplits[0] || split < vsplits[1]); ++split) run_split(split);
   } else {

@@ -23,6 +23,8 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 #include "kernels/cuda/attention_common.cuh"
@@ -366,8 +368,8 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
 
   // A vector with one split writes its output; otherwise its split's (m, l, acc) goes to the
   // combine, or (the loop form) merges into the running state (st_m, st_l in every warp's
-  // registers, the warp's quarter of acc in st_acc), and the last split writes. Each warp writes
-  // its quarter of the dims.
+  // registers, the warp's quarter of acc in st_acc), and the last split writes. A warp writes the
+  // dim tiles it merged (spread: its quarter; else warp 0, all of them).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (!vok[h] || split >= vsplits[h]) continue;
@@ -519,8 +521,12 @@ bool loop_splits(int64_t blocks) {
   const std::string mode = env_switch("DFLASH_ATTN_SPLIT_LOOP");
   if (mode == "0" || mode == "1") return mode == "1";
   const std::string min_blocks = env_switch("DFLASH_ATTN_LOOP_MIN_BLOCKS");
-  if (!min_blocks.empty()) return blocks >= std::stoll(min_blocks);
-  return blocks >= 4 * int64_t{sm_count()};
+  if (min_blocks.empty()) return blocks >= 4 * int64_t{sm_count()};
+  char* end = nullptr;
+  const long long n = std::strtoll(min_blocks.c_str(), &end, 10);
+  if (end == min_blocks.c_str() || *end != '\0' || n < 0)
+    throw std::invalid_argument("DFLASH_ATTN_LOOP_MIN_BLOCKS must be a block count, got '" + min_blocks + "'");
+  return blocks >= n;
 }
 
 void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,

@@ -284,9 +284,9 @@ bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks) {
   return blocks <= it->second;
 }
 
-int64_t attention_workspace_bytes(int n_rows, int max_keys, const AttnShape& shape) {
+int64_t attention_workspace_bytes(int n_rows, int n_tiles, int max_keys, const AttnShape& shape, bool fused) {
   const int splits = max_splits_for(max_keys);
-  if (splits <= 1) return 0;
+  if (splits <= 1 || attention_mma_combines_splits(shape, n_tiles, splits, fused)) return 0;
   return static_cast<int64_t>(n_rows) * shape.n_heads * splits * (shape.head_dim + 2) * sizeof(float);
 }
 

@@ -513,6 +513,7 @@ int attention_mma_heads(const AttnShape& shp) {
   return std::min(shp.n_heads / shp.n_kv_heads, kVecs);
 }
 
+namespace {
 // Whether a grid of `blocks` blocks a split (the non-fused kernel) runs its splits in a loop:
 // DFLASH_ATTN_SPLIT_LOOP=1 always, 0 never, else when the blocks alone fill the GPU several
 // times over (DFLASH_ATTN_LOOP_MIN_BLOCKS, default 4 per SM). Read at each launch, so tests can
@@ -528,6 +529,7 @@ bool loop_splits(int64_t blocks) {
     throw std::invalid_argument("DFLASH_ATTN_LOOP_MIN_BLOCKS must be a block count, got '" + min_blocks + "'");
   return blocks >= n;
 }
+}  // namespace
 
 void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
                           const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
@@ -537,7 +539,7 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
   // 11.62 -> 11.45 ms a plain step; no change at batch 1); DFLASH_ATTN_L2_HINT=0 turns it off.
   static const int l2_hint = env_switch("DFLASH_ATTN_L2_HINT") != "0";
   static const bool fresh_release_after_wait = env_switch("DFLASH_FRESH_RELEASE") != "before";
-  combined = !fresh.k && splits > 1 && loop_splits(grid_of(shp, n_tiles, 1).x);
+  combined = attention_mma_combines_splits(shp, n_tiles, splits, fresh.k != nullptr);
   const dim3 grid = grid_of(shp, n_tiles, combined ? 1 : splits);
   const int heads = attention_mma_heads(shp);
   auto run = [&](auto kernel) {
@@ -556,6 +558,10 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
     if (shp.head_dim <= 64) run(attention_mma_kernel<64, false, false>);
     else run(attention_mma_kernel<128, false, false>);
   }
+}
+
+bool attention_mma_combines_splits(const AttnShape& shp, int n_tiles, int splits, bool fused) {
+  return attention_mma_heads(shp) > 0 && !fused && splits > 1 && loop_splits(grid_of(shp, n_tiles, 1).x);
 }
 
 bool attention_mma_fresh_in_one_wave(const AttnShape& shp, int n_tiles, int splits) {

@@ -24,6 +24,10 @@ bool attention_mma_fresh_in_one_wave(const AttnShape& shape, int n_tiles, int sp
 // The number of SMs of the current device.
 int sm_count();
 
+// Whether the tensor-core kernel takes its loop form for this call: one block runs a tile's
+// `splits` splits and combines them, so no partials go through the workspace.
+bool attention_mma_combines_splits(const AttnShape& shape, int n_tiles, int splits, bool fused);
+
 // Partial results of rows with several splits go to `workspace` for the combine kernel, unless
 // the kernel combined them itself (`combined`: large grids, the loop form). released_early:
 // set to whether the kernel releases its successor at its start. With fresh.k, the fused form

@@ -614,7 +614,8 @@ class CudaBackend final : public Backend {
     }
     if (tables.empty()) tables.push_back(0);
     if (tiles.empty()) tiles.push_back({0, 0});
-    const int64_t ws = cuda::attention_workspace_bytes(static_cast<int>(q.rows), max_keys, shape);
+    const int64_t ws = cuda::attention_workspace_bytes(static_cast<int>(q.rows), static_cast<int>(tiles.size()),
+                                                       max_keys, shape, fresh != nullptr);
     float* workspace = static_cast<float*>(workspace_for(ws));
     const auto* d_rows = static_cast<const cuda::AttnRow*>(stage_bytes(rows.data(), rows.size() * sizeof(rows[0])));
     const auto* d_tiles =

@@ -144,8 +144,9 @@ struct AttnShape {
 // Keys per split of the KV length; a row's split count depends only on its own
 // visible keys, so its result does not depend on the batch it is in.
 constexpr int kAttnSplitKeys = 64;
-// Bytes of float workspace the attention needs for `n_rows` rows of at most `max_keys` keys.
-int64_t attention_workspace_bytes(int n_rows, int max_keys, const AttnShape& shape);
+// Bytes of float workspace the attention needs for `n_rows` rows in `n_tiles` tiles of at most
+// `max_keys` keys (none where the kernel combines its splits itself); fused: the AttnFresh form.
+int64_t attention_workspace_bytes(int n_rows, int n_tiles, int max_keys, const AttnShape& shape, bool fused);
 
 // Consecutive rows of one sequence that share a block of the tensor-core kernel.
 struct AttnTile {

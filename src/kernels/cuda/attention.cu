@@ -265,9 +265,12 @@ bool attention_may_release_early(const void* kernel, int threads, int64_t blocks
 }
 
 int sm_count() {
-  int device = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  static const int sms = [] {  // the backend runs on one device, chosen before any launch
+    int device = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  }();
   return sms;
 }
 

@@ -103,10 +103,11 @@ __device__ __forceinline__ void norm_rope_quad(uint4 (&x)[kChunks], const bf16* 
 // all), then the warps' merge and the output (one split) or the split's partial (several).
 // With fresh.k: queries and the keys from r0.fresh_begin on come from qkv, normalized and
 // rotated here; a block of the first head chunk writes the new keys of its own tile's rows
-// (`writes`: rows [first, first + n) of the batch) to the cache. kSpread: the four warps share
-// the merge (the loop form, where it runs once a split); else warp 0 merges alone (fewer
-// shared-memory trips: faster where a block runs one split). The same arithmetic either way.
-template <int HD, bool kFused, bool kSpread>
+// (`writes`: rows [first, first + n) of the batch) to the cache. kLoop (the loop form): the
+// four warps share the merge, which runs once a split, and each split merges into the running
+// state st_m, st_l, st_acc; else warp 0 merges alone (fewer shared-memory trips: faster where a
+// block runs one split) and the split's result goes out. The same arithmetic either way.
+template <int HD, bool kFused, bool kLoop>
 __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf16* kc, int64_t k_stride, bf16* vc,
                                              int64_t v_stride, const AttnFresh& fresh, const AttnRow r0,
                                              const AttnTile writes, const int32_t* page_tables, const AttnShape& shp,
@@ -287,13 +288,13 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   __syncthreads();  // every warp has read its V tile: the merge data reuses that memory
 
   // The warps merge in warp order (a fixed order: batch-independent): the result starts as warp
-  // 0's (m, l, acc) and merges warps 1, 2, 3 in turn. Spread: each warp does that for a quarter
+  // 0's (m, l, acc) and merges warps 1, 2, 3 in turn. The loop form: each warp does that for a quarter
   // of the dims (warp q: dim tiles [q * kQ, q * kQ + kQ)), so every warp publishes its (m, l) and
   // the quarters the others merge. Else warps 1-3 publish everything and warp 0 merges.
-  constexpr int kQ = kSpread ? kDimTiles / kWarps : kDimTiles;  // dim tiles this warp merges and writes
-  const int nt0 = kSpread ? warp * kQ : 0;
+  constexpr int kQ = kLoop ? kDimTiles / kWarps : kDimTiles;  // dim tiles this warp merges and writes
+  const int nt0 = kLoop ? warp * kQ : 0;
   float a[kQ][4];
-  if constexpr (kSpread) {
+  if constexpr (kLoop) {
     float* ml = merge_s;                          // [kWarps][4][32]: m0, m1, l0, l1
     float* quarters = merge_s + kWarps * 4 * 32;  // [kWarps][kWarps - 1][kQ * 4][32]
     auto quarter_at = [&](int src, int q) {       // src's values of quarter q (q != src)
@@ -383,7 +384,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
               pack_bf16(__fmul_rn(value_of(j, 2 * h), inv), __fmul_rn(value_of(j, 2 * h + 1), inv));
       }
     };
-    if (kSpread && st_acc && vsplits[h] > 1) {  // (the loop form's state is kept in quarters)
+    if (kLoop && vsplits[h] > 1) {
       const MergeCoef c = merge_coef(st_m[h], m[h]);
       if (!c.skip) {
         st_l[h] = merged(st_l[h], l[h], c);
@@ -480,7 +481,7 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
     attend_split<HD, kFused, kLoop>(q, q_stride, kc, k_stride, vc, v_stride, fresh, rows[tile.first_row],
                              chunk == 0 ? tile : AttnTile{0, 0}, page_tables, shp, kv_head, split, vrow, vhead, vpos,
                              lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, merge_s, q_s,
-                             l2_hint != 0, st_m, st_l, kLoop ? &st_acc[0][0] : nullptr);
+                             l2_hint != 0, st_m, st_l, &st_acc[0][0]);
   };
   if constexpr (kLoop) {
     // The state starts empty; each split merges into it in order.

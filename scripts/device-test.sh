@@ -11,8 +11,8 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits sites bench profile ab serving sampling" (default: all but sites,
-# profile, ab and sampling).
+# Steps can be chosen with STEPS="tests logits sites bench profile ab serving sampling ncu" (default: all but
+# sites, profile, ab, sampling and ncu).
 # DFLASH_PDL=0 turns programmatic dependent launch off (A/B timings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -107,6 +107,21 @@ if [[ $steps == *profile* ]]; then
   for pdl in 1 0; do
     DFLASH_PDL=$pdl "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
       --batch 1,32 --context 512 --skip-kernels --leak-check-steps 0 2>&1 | tee "$out/bench_step_pdl$pdl.txt" || status=1
+  done
+fi
+
+if [[ " $steps " == *" ncu "* ]]; then
+  # Nsight Compute on two 16-row verification attention launches of batch 32 at context 512 (the
+  # launches after the plain rows and the draft), once per DFLASH_ATTN_SPLIT_LOOP setting:
+  # bench/results/ncu_h100_attention_b32_verify.txt.
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  for loop in 0 1; do
+    DFLASH_ATTN_SPLIT_LOOP=$loop with_libs ncu --clock-control none -k regex:attention_mma --launch-skip 150 \
+      --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section WarpStateStats --section LaunchStats --section SchedulerStats \
+      build-dev/dflash bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --batch 32 \
+      --context 512 --iters 1 --warmup 1 --skip-kernels --leak-check-steps 0 > "$out/ncu_loop$loop.txt" 2>&1 || status=1
   done
 fi
 

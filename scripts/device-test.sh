@@ -11,8 +11,8 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits sites bench profile ab serving sampling ncu" (default: all but
-# sites, profile, ab, sampling and ncu).
+# Steps can be chosen with STEPS="tests logits sites bench profile ab serving sampling ncu graphs" (default: all
+# but sites, profile, ab, sampling, ncu and graphs).
 # DFLASH_PDL=0 turns programmatic dependent launch off (A/B timings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -176,6 +176,29 @@ if [[ $steps == *sampling* ]]; then
       echo "bundled speculative=$spec scheme=$scheme DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
         --device cuda --speculative "$spec" --spec-sampling "$scheme" --prompt "def quicksort(items):" --max-tokens 256 \
         $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" || status=1
+    done
+  done
+fi
+if [[ " $steps " == *" graphs "* ]]; then
+  # Greedy `generate --json` with the decoding forwards replayed as CUDA graphs (the default) and
+  # launched op by op (DFLASH_GRAPHS=0): 8B-shaped random pair (drafts never accepted) and the
+  # bundled pair.
+  echo "== generate: CUDA-graph replays against op-by-op launches =="
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  ids=$(python3 -c "import random; r = random.Random(9); print(','.join(str(r.randrange(151669)) for _ in range(512)))")
+  : > "$out/generate_graphs_gpu.txt"
+  for run in 1 2; do
+    for graphs in 1 0; do
+      for spec in none dflash; do
+        echo "8b-shape speculative=$spec DFLASH_GRAPHS=$graphs: $(DFLASH_GRAPHS=$graphs "$dflash" generate --device cuda \
+          --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --speculative "$spec" --prompt-ids "$ids" \
+          --max-tokens 256 --ignore-eos --json | python3 tools/generate_stats.py)" | tee -a "$out/generate_graphs_gpu.txt" ||
+          status=1
+        echo "bundled speculative=$spec DFLASH_GRAPHS=$graphs: $(DFLASH_GRAPHS=$graphs "$dflash" generate --device cuda \
+          --speculative "$spec" --prompt "def quicksort(items):" --max-tokens 512 --ignore-eos --json |
+          python3 tools/generate_stats.py)" | tee -a "$out/generate_graphs_gpu.txt" || status=1
+      done
     done
   done
 fi

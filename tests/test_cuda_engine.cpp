@@ -1,15 +1,22 @@
 // The engine on the GPU: target logits track the CPU reference, DFlash greedy
 // output equals plain greedy output token for token (random pairs and the
 // bundled pair, 20 prompts each), and so does sampled output with the match
-// scheme (top-k candidates selected on the GPU). Skipped without a GPU.
+// scheme (top-k candidates selected on the GPU), and decoding through CUDA-graph
+// replays equals decoding op by op. Skipped without a GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <map>
+#include <mutex>
 #include <random>
 
 #include "engine/engine.h"
+#include "engine/serving.h"
+#include "engine/step_graphs.h"
 #include "kernels/backend.h"
 #include "model/target_model.h"
 #include "test_util.h"
@@ -130,6 +137,146 @@ TEST_F(CudaEngine, DFlashMatchSchemeEqualsPlainSamplingWithTopKOnTheGpu) {
   }
   std::printf("[bundled pair] %d prompts sampled: DFlash (match) identical to plain sampling on the GPU, tau %.3f\n",
               i, steps ? static_cast<double>(produced) / steps : 0.0);
+}
+
+// Decode steps through StepGraphs (captured once, restaged and replayed) against the same steps
+// launched op by op, on two caches: equal logits and caches, bit for bit. The page tables change
+// between steps (a capture whose positions equal its KV slots must notice when they no longer do)
+// and the key count crosses a capacity granule (a second graph).
+TEST_F(CudaEngine, GraphReplaysOfNewBatchesEqualEagerSteps) {
+  unsetenv("DFLASH_GRAPHS");
+  auto be = make_cuda_backend();
+  TargetModel m(*be, fixture("targets/trained_qwen3"));
+  const int page = 16, n_pages = 64;
+  KvCache eager = m.alloc_cache(n_pages, page), graphed = m.alloc_cache(n_pages, page);
+  std::vector<int32_t> identity(n_pages), shuffled(n_pages);
+  for (int i = 0; i < n_pages; ++i) identity[i] = i, shuffled[i] = (i * 37 + 5) % n_pages;
+  StepGraphs graphs(*be);
+  ASSERT_TRUE(graphs.on());
+  std::mt19937 rng(3);
+  for (int step = 0; step < 24; ++step) {
+    // Steps 0-7 with the identity table (position == slot), then shuffled pages; 3-row blocks.
+    const auto& table = step < 8 ? identity : shuffled;
+    const int32_t n_past = step < 16 ? 200 + 3 * step : 300 + 5 * step;  // 256 keys crossed at step 16
+    std::vector<int32_t> tokens(3);
+    for (auto& t : tokens) t = static_cast<int32_t>(rng() % 256);
+    auto batch = [&] {
+      ForwardBatch b(page);
+      b.add_sequence(tokens, n_past, table);
+      b.logit_rows = {0, 1, 2};
+      return b;
+    };
+    ForwardBatch eb = batch();
+    const auto want = be->to_host(m.forward(eb, eager).logits);
+    ForwardBatch gb = batch();
+    gb.set_key_capacity(StepGraphs::key_capacity(n_past + 3));
+    Tensor logits;
+    graphs.run(std::to_string(gb.segments[0].key_capacity), [&] { logits = m.forward(gb, graphed).logits; });
+    EXPECT_EQ(be->to_host(logits), want) << "step " << step;
+  }
+  EXPECT_GE(graphs.captures(), 3);  // one per capacity, and again when positions and slots parted
+  EXPECT_EQ(graphs.replays(), 24);
+  for (size_t l = 0; l < eager.k.size(); ++l) {
+    EXPECT_EQ(be->to_host(graphed.k[l]), be->to_host(eager.k[l])) << "layer " << l;
+    EXPECT_EQ(be->to_host(graphed.v[l]), be->to_host(eager.v[l])) << "layer " << l;
+  }
+}
+
+// generate() through graphs equals generate() op by op (DFLASH_GRAPHS=0), plain and DFlash, greedy
+// and sampled, long enough to cross key-capacity granules.
+TEST_F(CudaEngine, GenerateWithGraphsEqualsGenerateOpByOp) {
+  const auto ref = test::read_json(fixture("expected/pycoder16m_humaneval.json"));
+  EngineOptions eo;
+  eo.device = "cuda";
+  eo.model_dir = test::models_dir() + "/pycoder-16m";
+  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
+  Engine engine(eo);
+  int i = 0;
+  for (const auto& row : ref["rows"]) {
+    if (i == 6) break;
+    const auto prompt = row["prompt_ids"].get<std::vector<int32_t>>();
+    for (auto mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+      GenerateOptions go;
+      go.max_tokens = 300;
+      go.use_default_eos = false;  // run all 300 tokens
+      go.mode = mode;
+      if (i % 2) go.sampling = {0.7f, 20, 0.95f, static_cast<uint64_t>(40 + i)};
+      setenv("DFLASH_GRAPHS", "0", 1);
+      const auto op_by_op = engine.generate(prompt, go);
+      unsetenv("DFLASH_GRAPHS");
+      const auto graphed = engine.generate(prompt, go);
+      const char* what = mode == SpeculativeMode::None ? "plain" : "dflash";
+      EXPECT_EQ(graphed.tokens, op_by_op.tokens) << what << ", prompt " << i;
+      EXPECT_EQ(graphed.stats.acceptance_histogram, op_by_op.stats.acceptance_histogram) << what << ", prompt " << i;
+      EXPECT_EQ(op_by_op.stats.graph_replays, 0);
+      EXPECT_GT(graphed.stats.graph_replays, graphed.stats.graph_captures) << what;
+      std::printf("[bundled pair] prompt %d %s: %d tokens, %lld graph replays, %lld captures; decode %.1f ms "
+                  "with graphs, %.1f ms op by op\n",
+                  i, what, static_cast<int>(graphed.tokens.size()), static_cast<long long>(graphed.stats.graph_replays),
+                  static_cast<long long>(graphed.stats.graph_captures), graphed.stats.decode_ms,
+                  op_by_op.stats.decode_ms);
+    }
+    ++i;
+  }
+}
+
+// The serving engine on the GPU (its decode-only steps replay graphs) gives what one-at-a-time
+// generation op by op gives: plain with 8 concurrent requests, DFlash one at a time. (Batched
+// DFlash forwards of more than 32 rows take cuBLASLt products, whose rows are not bit-identical
+// to the 16-row skinny products of one sequence, so a near tie may break differently.)
+TEST_F(CudaEngine, ServingWithGraphsEqualsGenerateOpByOp) {
+  const auto ref = test::read_json(fixture("expected/pycoder16m_humaneval.json"));
+  std::vector<std::vector<int32_t>> prompts;
+  for (const auto& row : ref["rows"])
+    if (prompts.size() < 8) prompts.push_back(row["prompt_ids"].get<std::vector<int32_t>>());
+  EngineOptions eo;
+  eo.device = "cuda";
+  eo.model_dir = test::models_dir() + "/pycoder-16m";
+  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
+  for (auto mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+    unsetenv("DFLASH_GRAPHS");
+    ServingOptions so;
+    so.engine = eo;
+    so.mode = mode;
+    so.max_num_seqs = mode == SpeculativeMode::None ? 8 : 1;
+    ServingEngine server(so);
+    std::mutex mu;
+    std::condition_variable cv;
+    std::map<size_t, std::vector<int32_t>> got;
+    size_t finished = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        RequestParams rp;
+        rp.prompt = prompts[i];
+        rp.max_tokens = 200;
+        server.submit(rp, [&, i](const TokenEvent& e) {
+          std::lock_guard<std::mutex> l(mu);
+          got[i].insert(got[i].end(), e.tokens.begin(), e.tokens.end());
+          if (e.finished) ++finished;
+          cv.notify_all();
+        });
+      }
+    }
+    {
+      std::unique_lock<std::mutex> lk(mu);
+      ASSERT_TRUE(cv.wait_for(lk, std::chrono::minutes(5), [&] { return finished == prompts.size(); }));
+    }
+    const ServingStats st = server.stats();
+    const char* what = mode == SpeculativeMode::None ? "plain" : "dflash";
+    EXPECT_GT(st.graph_steps, 0) << what;
+    std::printf("[bundled pair] serving %s: %lld of %lld steps replayed graphs\n", what,
+                static_cast<long long>(st.graph_steps), static_cast<long long>(st.n_steps));
+    setenv("DFLASH_GRAPHS", "0", 1);
+    Engine engine(eo);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      GenerateOptions go;
+      go.max_tokens = 200;
+      go.mode = mode;
+      EXPECT_EQ(got[i], engine.generate(prompts[i], go).tokens) << what << ", prompt " << i;
+    }
+    unsetenv("DFLASH_GRAPHS");
+  }
 }
 
 }  // namespace

@@ -25,6 +25,7 @@ nlohmann::json to_json(const StepBenchReport& rep, const StepBenchOptions& o) {
   for (const auto& r : rep.rows) {
     rows.push_back({{"device", rep.device}, {"model", rep.model}, {"draft", rep.draft}, {"mode", r.mode},
                     {"batch", r.batch}, {"context", r.context}, {"ms_per_step", r.ms_per_step}, {"ms_per_step_eager", r.ms_per_step_eager},
+                    {"ms_per_step_restaged", r.ms_per_step_restaged}, {"restage_us", r.restage_us},
                     {"floor_ms", r.floor_ms}, {"fraction_of_floor", r.fraction_of_floor}, {"gb_per_s", r.gb_per_s},
                     {"bytes_per_step", r.bytes_per_step}, {"copy_gbps", rep.copy_gbps},
                     {"device_bytes_other", r.device_bytes_other}, {"page_size", o.page_size},
@@ -70,12 +71,13 @@ Command add_bench_step(CLI::App& app) {
                     k.gb_per_s);
       }
     }
-    std::printf("%-7s %6s %8s %10s %10s %10s %9s %9s %12s\n", "mode", "batch", "context", "ms/step", "eager_ms",
-                "floor_ms", "GB/s", "fraction", "other_MiB");
+    std::printf("%-7s %6s %8s %10s %10s %10s %9s %9s %12s %12s %10s\n", "mode", "batch", "context", "ms/step",
+                "eager_ms", "floor_ms", "GB/s", "fraction", "other_MiB", "restaged_ms", "restage_us");
     for (const auto& r : rep.rows) {
-      std::printf("%-7s %6d %8d %10.3f %10.3f %10.3f %9.0f %9.3f %12.1f\n", r.mode.c_str(), r.batch, r.context,
-                  r.ms_per_step, r.ms_per_step_eager, r.floor_ms, r.gb_per_s, r.fraction_of_floor,
-                  r.device_bytes_other >= 0 ? r.device_bytes_other / 1048576.0 : -1.0);
+      std::printf("%-7s %6d %8d %10.3f %10.3f %10.3f %9.0f %9.3f %12.1f %12.3f %10.1f\n", r.mode.c_str(), r.batch,
+                  r.context, r.ms_per_step, r.ms_per_step_eager, r.floor_ms, r.gb_per_s, r.fraction_of_floor,
+                  r.device_bytes_other >= 0 ? r.device_bytes_other / 1048576.0 : -1.0, r.ms_per_step_restaged,
+                  r.restage_us);
     }
     if (rep.leak_check_growth_bytes >= 0) {
       std::printf("device memory growth over %d plain steps: %lld bytes\n", o->leak_check_steps,

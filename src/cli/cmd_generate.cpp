@@ -21,7 +21,7 @@ namespace {
 struct GenerateArgs {
   std::string model, draft, speculative, prompt_ids, prompt, prompt_file, chat, device = "auto";
   int max_tokens = 128, block_size = 0, page_size = 16;
-  bool json = false, enable_thinking = false;
+  bool json = false, enable_thinking = false, ignore_eos = false;
   SamplingParams sampling;
   std::string spec_sampling = "match";
 };
@@ -92,6 +92,9 @@ void print_json(const GenerationResult& r, const Tokenizer* tok) {
   j["n_steps"] = st.n_steps;
   j["tau"] = st.tau;
   j["acceptance_histogram"] = st.acceptance_histogram;
+  j["graph_replays"] = st.graph_replays;
+  j["graph_captures"] = st.graph_captures;
+  j["graph_capture_ms"] = st.graph_capture_ms;
   j["block_size"] = st.block_size;
   j["stop_reason"] = r.stop_reason;
   j["n_prompt_tokens"] = st.n_prompt_tokens;
@@ -147,6 +150,7 @@ Command add_generate(CLI::App& app) {
                  "how DFlash verifies sampled drafts: match (draft argmax, accept while the target's sample agrees; "
                  "output equals plain sampling with the same seed) or rejection (speculative rejection sampling)")
       ->check(CLI::IsMember({"match", "rejection"}));
+  app.add_flag("--ignore-eos", a->ignore_eos, "do not stop at end-of-sequence tokens (fixed-length runs for timing)");
   app.add_flag("--json", a->json, "print one JSON object with tokens and statistics");
   return [a] {
     if (a->model.empty()) {
@@ -168,7 +172,9 @@ Command add_generate(CLI::App& app) {
     go.mode = spec ? SpeculativeMode::DFlash : SpeculativeMode::None;
     go.sampling = a->sampling;
     go.spec_sampling = parse_spec_sampling(a->spec_sampling);
-    if (!prompt.extra_eos.empty()) {
+    if (a->ignore_eos) {
+      go.use_default_eos = false;  // and no eos_ids: always max_tokens (or the context's end)
+    } else if (!prompt.extra_eos.empty()) {
       go.eos_ids = engine.default_eos_ids();
       go.eos_ids.insert(go.eos_ids.end(), prompt.extra_eos.begin(), prompt.extra_eos.end());
     }

@@ -72,27 +72,43 @@ void run_dflash(DecodeContext& ctx) {
       ForwardBatch db(ctx.draft_pages->page_size());
       db.add_sequence(block, s, seq.draft_pages, /*causal=*/false);
       for (int i = 1; i < B; ++i) db.logit_rows.push_back(i);
-      const Tensor logits = ctx.draft->forward_block(db, *ctx.draft_cache);
+      Tensor logits;
+      ctx.run_step("draft", db, [&] { logits = ctx.draft->forward_block(db, *ctx.draft_cache); });
       draft = std::move(choose_draft_tokens(ctx.be, logits, {{sp, 0, B - 1, s + 1}}, ctx.opts.spec_sampling)[0]);
     }
     const std::vector<int32_t>& drafted = draft.tokens;
     st.draft_ms += ms_since(td);
 
-    // Verify: target over [t_s, d_1..d_{B-1}], causal, capturing features.
+    // Verify: target over [t_s, d_1..d_{B-1}], causal, capturing features. With graphs the
+    // step keeps one shape: the draft context of all B rows is projected in the same graph (rows
+    // past the accepted ones are rewritten by the next step before any draft reads them).
     auto tv = Clock::now();
     std::copy(drafted.begin(), drafted.end(), block.begin() + 1);
     ForwardBatch vb(page_size);
     vb.add_sequence(block, s, seq.target_pages);
     for (int i = 0; i < B; ++i) vb.logit_rows.push_back(i);
-    out = ctx.target.forward(vb, ctx.target_cache, layer_ids);
-    const BlockResult verdict = verify_blocks(ctx.be, out.logits, {{sp, 0, s + 1, &draft}}, ctx.opts.spec_sampling)[0];
+    const bool project_all = ctx.graphs && ctx.graphs->on();
+    ForwardBatch pb(ctx.draft_pages->page_size());
+    if (project_all) {
+      check(seq.n_draft_ctx == s, "draft context out of step with the target cache");
+      pb.add_sequence(std::vector<int32_t>(static_cast<size_t>(B), 0), s, seq.draft_pages);
+    }
+    Tensor logits, captured;
+    ctx.run_step("verify", vb, [&] {
+      auto o = ctx.target.forward(vb, ctx.target_cache, layer_ids);
+      logits = o.logits;
+      captured = o.captured;
+      if (project_all) ctx.draft->project_context(o.captured, pb, *ctx.draft_cache);
+    });
+    const BlockResult verdict = verify_blocks(ctx.be, logits, {{sp, 0, s + 1, &draft}}, ctx.opts.spec_sampling)[0];
     const int a = verdict.accepted;
     st.verify_ms += ms_since(tv);
 
     // Commit t_s, d_1..d_a; rows beyond a are dropped by not counting them.
     seq.tokens.insert(seq.tokens.end(), block.begin(), block.begin() + a + 1);
     seq.n_cached = s + a + 1;
-    project_context(ctx, out.captured, a + 1, s);
+    if (project_all) seq.n_draft_ctx = s + a + 1;
+    else project_context(ctx, captured, a + 1, s);
     seq.pending = verdict.next;
     st.n_steps += 1;
     st.acceptance_histogram[a] += 1;

@@ -61,10 +61,15 @@ GenerationResult Engine::generate(const std::vector<int32_t>& prompt, const Gene
   ctx.eos.insert(eos.begin(), eos.end());
   ctx.seq.tokens = prompt;
 
+  StepGraphs graphs(*impl_->m.be);  // per request: its graphs point into this request's caches
+  ctx.graphs = &graphs;
   const auto t0 = Clock::now();
   if (spec) run_dflash(ctx);
   else run_plain(ctx);
   auto& st = ctx.result.stats;
+  st.graph_replays = graphs.replays();
+  st.graph_captures = graphs.captures();
+  st.graph_capture_ms = graphs.capture_ms();
   st.total_ms = ms_since(t0);
   st.n_prompt_tokens = static_cast<int>(prompt.size());
   st.n_generated = static_cast<int>(ctx.result.tokens.size());

@@ -1,4 +1,6 @@
 // Plain decoding: prefill, then one target forward per token.
+#include <algorithm>
+
 #include "engine/verification.h"
 #include "engine/sequence.h"
 #include "util/error.h"
@@ -19,6 +21,15 @@ bool DecodeContext::emit(int32_t token) {
 
 int32_t DecodeContext::pick(const Tensor& logits, int64_t position) {
   return verify_blocks(be, logits, {{&opts.sampling, 0, position, nullptr}}, opts.spec_sampling)[0].next;
+}
+
+void DecodeContext::run_step(const char* kind, ForwardBatch& batch, const std::function<void()>& body) {
+  if (!graphs || !graphs->on()) return body();
+  int32_t keys = 0;
+  for (const auto& seg : batch.segments) keys = std::max(keys, seg.n_keys);
+  const int32_t capacity = StepGraphs::key_capacity(keys);
+  batch.set_key_capacity(capacity);
+  graphs->run(cat(kind, ": ", batch.n_rows(), " rows, ", capacity, " keys"), body);
 }
 
 void reserve_or_throw(PagePool& pages, std::vector<int32_t>& table, int64_t n_positions) {
@@ -52,10 +63,11 @@ void run_plain(DecodeContext& ctx) {
     ForwardBatch step(page_size);
     step.add_sequence({seq.pending}, seq.n_cached, seq.target_pages);
     step.logit_rows = {0};
-    out = ctx.target.forward(step, ctx.target_cache);
+    Tensor logits;
+    ctx.run_step("plain", step, [&] { logits = ctx.target.forward(step, ctx.target_cache).logits; });
     seq.tokens.push_back(seq.pending);
     seq.n_cached += 1;
-    seq.pending = ctx.pick(out.logits, seq.n_cached);
+    seq.pending = ctx.pick(logits, seq.n_cached);
     st.n_steps += 1;
     ctx.emit(seq.pending);
   }

@@ -4,11 +4,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <unordered_set>
 #include <vector>
 
 #include "engine/engine.h"
 #include "engine/page_pool.h"
+#include "engine/step_graphs.h"
 #include "kernels/backend.h"
 #include "model/dflash_draft.h"
 #include "model/target_model.h"
@@ -44,6 +46,11 @@ struct DecodeContext {
   // token at `position`.
   int32_t pick(const Tensor& logits, int64_t position);
   bool done = false;
+  StepGraphs* graphs = nullptr;        // decoding forwards as graph replays (when on)
+
+  // Runs a decoding forward over `batch` (body reads it): through graphs, under a key made of
+  // `kind` and the key capacity that the batch is then sized for, or eagerly.
+  void run_step(const char* kind, ForwardBatch& batch, const std::function<void()>& body);
 };
 
 using Clock = std::chrono::steady_clock;

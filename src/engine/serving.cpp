@@ -173,6 +173,7 @@ struct ServingEngine::Impl {
       stats.prompt_tokens += c.prompt_tokens;
       stats.generated_tokens += c.generated_tokens;
       stats.dflash_seq_steps += c.dflash_seq_steps;
+      stats.graph_steps += c.graph_steps;
       ++stats.n_steps;
       for (size_t i = 0; i < c.acceptance_histogram.size(); ++i) stats.acceptance_histogram[i] += c.acceptance_histogram[i];
       for (size_t i = 0; i < c.position_accepted.size(); ++i) stats.position_accepted[i] += c.position_accepted[i];

@@ -48,6 +48,7 @@ struct ServingStats {
   int64_t n_finished = 0, n_preempted = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0, n_steps = 0;
   int64_t dflash_seq_steps = 0;                // one per sequence per DFlash step
+  int64_t graph_steps = 0;                     // steps run as CUDA-graph replays
   std::vector<int64_t> acceptance_histogram;   // [i] = sequence-steps that produced i+1 tokens
   std::vector<int64_t> position_accepted;      // [i] = sequence-steps whose draft token i+1 was accepted
 };

@@ -177,8 +177,11 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       const DType kv_dtype = tcache.k[0].dtype;
 
       auto time_steps = [&](auto&& step) { return time_median_ms(*be, o.warmup, o.iters, step); };
-      auto add_row = [&](const std::string& mode, double ms, double ms_eager, int64_t bytes) {
+      auto add_row = [&](const std::string& mode, double ms, double ms_eager, int64_t bytes, double ms_restaged = 0,
+                         double restage_us = 0) {
         StepBenchRow r;
+        r.ms_per_step_restaged = ms_restaged;
+        r.restage_us = restage_us;
         r.mode = mode;
         r.batch = batch;
         r.context = ctx;
@@ -198,17 +201,25 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       for (int b = 0; b < batch; ++b) plain.add_sequence({static_cast<int32_t>(b % tc.n_vocab)}, ctx, bt.tables[b]);
       for (int r = 0; r < batch; ++r) plain.logit_rows.push_back(r);
       const double plain_eager = time_steps([&] { be->argmax_rows(target.forward(plain, tcache).logits); });
-      double plain_ms = plain_eager;
+      double plain_ms = plain_eager, plain_restaged = 0, plain_restage_us = 0;
       if (be->supports_graphs()) {
         Tensor logits;
-        auto g = be->capture_graph([&] { logits = target.forward(plain, tcache).logits; });
+        auto body = [&] { logits = target.forward(plain, tcache).logits; };
+        auto g = be->capture_graph(body);
         plain_ms = time_steps([&] {
           be->replay_graph(g);
           be->argmax_rows(logits);
         });
+        plain_restaged = time_steps([&] {
+          check(be->restage_graph(g, body), "bench-step: the plain step no longer matches its graph");
+          be->replay_graph(g);
+          be->argmax_rows(logits);
+        });
+        plain_restage_us = 1e3 * time_steps([&] { be->restage_graph(g, body); });
       }
       add_row("plain", plain_ms, plain_eager,
-              target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype));
+              target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype), plain_restaged,
+              plain_restage_us);
 
       if (!draft) continue;
       // DFlash: draft block [t, M..M] (bidirectional), verify B tokens with feature
@@ -230,27 +241,41 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         be->argmax_rows(out.logits);
         draft->project_context(out.captured, project, dcache);
       });
-      double dflash_ms = dflash_eager;
+      double dflash_ms = dflash_eager, dflash_restaged = 0, dflash_restage_us = 0;
       if (be->supports_graphs()) {
         // Two graphs with the drafted tokens' argmax between them, as the decoder runs today.
         Tensor draft_logits, verify_logits;
-        auto g_draft = be->capture_graph([&] { draft_logits = draft->forward_block(dblock, dcache); });
-        auto g_verify = be->capture_graph([&] {
+        auto draft_body = [&] { draft_logits = draft->forward_block(dblock, dcache); };
+        auto verify_body = [&] {
           auto out = target.forward(verify, tcache, layer_ids);
           verify_logits = out.logits;
           draft->project_context(out.captured, project, dcache);
-        });
+        };
+        auto g_draft = be->capture_graph(draft_body);
+        auto g_verify = be->capture_graph(verify_body);
         dflash_ms = time_steps([&] {
           be->replay_graph(g_draft);
           be->argmax_rows(draft_logits);
           be->replay_graph(g_verify);
           be->argmax_rows(verify_logits);
         });
+        dflash_restaged = time_steps([&] {
+          check(be->restage_graph(g_draft, draft_body), "bench-step: the draft no longer matches its graph");
+          be->replay_graph(g_draft);
+          be->argmax_rows(draft_logits);
+          check(be->restage_graph(g_verify, verify_body), "bench-step: the verification no longer matches its graph");
+          be->replay_graph(g_verify);
+          be->argmax_rows(verify_logits);
+        });
+        dflash_restage_us = 1e3 * time_steps([&] {
+          be->restage_graph(g_draft, draft_body);
+          be->restage_graph(g_verify, verify_body);
+        });
       }
       const int64_t dflash_bytes = target.weight_bytes_per_step() + draft->weight_bytes_per_step() +
                                    batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +
                                             kv_read_bytes(dc.layers, ctx + B, kv_dtype));
-      add_row("dflash", dflash_ms, dflash_eager, dflash_bytes);
+      add_row("dflash", dflash_ms, dflash_eager, dflash_bytes, dflash_restaged, dflash_restage_us);
     }
   }
 

@@ -27,6 +27,9 @@ struct StepBenchRow {
   int batch = 0, context = 0;
   double ms_per_step = 0, floor_ms = 0, fraction_of_floor = 0, gb_per_s = 0;
   double ms_per_step_eager = 0;  // the same step launched op by op (ms_per_step: CUDA-graph replays where available)
+  // As the decoders run it: each graph's metadata restaged before its replay (0: no graphs),
+  // and the host time of restaging one step alone.
+  double ms_per_step_restaged = 0, restage_us = 0;
   int64_t bytes_per_step = 0;  // weights + KV the step must read
   int64_t device_bytes_other = -1;  // device memory beyond weights and KV pages at this row (-1: unknown)
 };

@@ -1,6 +1,8 @@
 #include "engine/step_runner.h"
 
 #include <algorithm>
+#include <functional>
+#include <string>
 
 #include "engine/verification.h"
 #include "util/error.h"
@@ -8,7 +10,7 @@
 namespace dflash {
 
 StepRunner::StepRunner(ModelSet& m, bool speculative, SpecSampling scheme, int n_pages)
-    : m_(m), spec_(speculative), scheme_(scheme), block_(speculative ? m.block_size : 1) {
+    : m_(m), spec_(speculative), scheme_(scheme), block_(speculative ? m.block_size : 1), graphs_(*m.be, 32) {
   check(!speculative || m.draft, "DFlash serving needs a draft model (--draft)");
   target_cache_ = m.target->alloc_cache(n_pages, m.page_size);
   if (spec_) draft_cache_ = m.draft->alloc_cache(n_pages, m.page_size);
@@ -26,12 +28,32 @@ void emit(SeqOutput& o, int32_t token) {
   else if (s.n_generated >= s.max_tokens) o.finish_reason = "length";
 }
 
+// Sizes the batch's attention for the key capacity of its longest sequence and returns the graph
+// key of a step part (`kind`) over it.
+std::string graph_key(const char* kind, ForwardBatch& b) {
+  int32_t keys = 0;
+  for (const auto& seg : b.segments) keys = std::max(keys, seg.n_keys);
+  const int32_t capacity = StepGraphs::key_capacity(keys);
+  b.set_key_capacity(capacity);
+  return cat(kind, ": ", b.segments.size(), " sequences, ", b.n_rows(), " rows, ", capacity, " keys");
+}
+
 }  // namespace
 
 std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sched, StepCounters& c) {
   const int page_size = m_.page_size;
   const int max_pos = m_.target->config().max_positions;
   std::vector<SeqOutput> outs;
+  // A graph step keeps one shape: decodes only, whole blocks, and (DFlash) the draft context
+  // of all rows projected inside the verification graph.
+  bool graphed = graphs_.on() && plan.prefills.empty() && !plan.decodes.empty();
+  for (const ServeSeq* s : plan.decodes)
+    graphed = graphed && sched.rows_for(*s) == block_ && (!spec_ || s->n_draft_ctx == s->n_cached);
+  if (graphed) ++c.graph_steps;
+  auto run_forward = [&](const char* kind, ForwardBatch& b, const std::function<void()>& body) {
+    if (graphed) graphs_.run(graph_key(kind, b), body);
+    else body();
+  };
 
   // 1. Draft blocks [t, M, ..., M] for the decoding sequences (DFlash only).
   std::vector<DraftChoice> drafted(plan.decodes.size());
@@ -51,7 +73,9 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
       who.push_back(i);
     }
     if (!who.empty()) {
-      auto choices = choose_draft_tokens(*m_.be, m_.draft->forward_block(db, draft_cache_), rows, scheme_);
+      Tensor logits;
+      run_forward("draft", db, [&] { logits = m_.draft->forward_block(db, draft_cache_); });
+      auto choices = choose_draft_tokens(*m_.be, logits, rows, scheme_);
       for (size_t k = 0; k < who.size(); ++k) drafted[who[k]] = std::move(choices[k]);
     }
   }
@@ -82,14 +106,28 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
   }
   if (tb.n_rows() == 0) return outs;
   const std::vector<int> no_capture;
-  auto out = m_.target->forward(tb, target_cache_, spec_ ? m_.draft->config().target_layer_ids : no_capture);
-  const std::vector<BlockResult> results = verify_blocks(*m_.be, out.logits, blocks, scheme_);
+  ForwardBatch all_rows(page_size);  // graph steps: every decoding row's context, at n_cached..
+  if (graphed && spec_)
+    for (const ServeSeq* s : plan.decodes)
+      all_rows.add_sequence(std::vector<int32_t>(static_cast<size_t>(block_), 0), s->n_cached, s->pages);
+  Tensor logits, captured;
+  run_forward(spec_ ? "verify" : "plain", tb, [&] {
+    auto out = m_.target->forward(tb, target_cache_, spec_ ? m_.draft->config().target_layer_ids : no_capture);
+    logits = out.logits;
+    captured = out.captured;
+    if (graphed && spec_) m_.draft->project_context(out.captured, all_rows, draft_cache_);
+  });
+  const std::vector<BlockResult> results = verify_blocks(*m_.be, logits, blocks, scheme_);
 
   // 3. Commit: prefill progress, acceptance per sequence; rows to project into the draft context.
   ForwardBatch pb(page_size);
   std::vector<int32_t> feature_rows;
   auto project = [&](ServeSeq& s, int32_t first_row, int32_t n) {
     if (!spec_) return;
+    if (graphed) {  // projected in the graph already
+      s.n_draft_ctx += n;
+      return;
+    }
     pb.add_sequence(std::vector<int32_t>(static_cast<size_t>(n), 0), s.n_draft_ctx, s.pages);
     for (int32_t r = 0; r < n; ++r) feature_rows.push_back(first_row + r);
     s.n_draft_ctx += n;
@@ -128,8 +166,8 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
     outs.push_back(std::move(o));
   }
   if (spec_ && pb.n_rows() > 0) {
-    Tensor features = m_.be->alloc(pb.n_rows(), out.captured.cols);
-    m_.be->gather_rows(out.captured, feature_rows, features);
+    Tensor features = m_.be->alloc(pb.n_rows(), captured.cols);
+    m_.be->gather_rows(captured, feature_rows, features);
     m_.draft->project_context(features, pb, draft_cache_);
   }
   for (auto& o : outs) {

@@ -3,6 +3,8 @@
 // decoding sequence's block comes first, and the committed tokens' context is
 // projected into the draft cache after verification. Each sequence accepts and
 // rolls back on its own (rollback = not counting rejected rows as cached).
+// Steps without prefill chunks, every sequence running a whole block, replay
+// CUDA graphs (StepGraphs) keyed by the number of sequences and the key capacity.
 #pragma once
 
 #include <string>
@@ -10,6 +12,7 @@
 
 #include "engine/model_set.h"
 #include "engine/scheduler.h"
+#include "engine/step_graphs.h"
 
 namespace dflash {
 
@@ -24,6 +27,7 @@ struct StepCounters {
   int64_t prompt_tokens = 0, generated_tokens = 0, dflash_seq_steps = 0;
   std::vector<int64_t> acceptance_histogram;  // sized to the block by the caller
   std::vector<int64_t> position_accepted;
+  int64_t graph_steps = 0;  // steps whose forwards ran as CUDA-graph replays
 };
 
 class StepRunner {
@@ -38,6 +42,7 @@ class StepRunner {
   SpecSampling scheme_;
   int block_;
   KvCache target_cache_, draft_cache_;
+  StepGraphs graphs_;  // decode-only steps of a repeating shape run as graph replays
 };
 
 }  // namespace dflash

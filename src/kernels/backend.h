@@ -33,6 +33,9 @@ struct AttentionSegment {
   int32_t n_keys = 0;                  // keys at logical positions 0..n_keys-1 are in the cache
   const int32_t* page_table = nullptr; // logical page -> physical page
   bool causal = true;                  // false: every query sees every key (DFlash draft block)
+  // Launch as if for this many keys (0 or <= n_keys: n_keys), so that one CUDA graph serves the
+  // steps while n_keys grows; page_table then covers key_capacity positions.
+  int32_t key_capacity = 0;
 };
 
 struct AttentionParams {
@@ -71,10 +74,17 @@ class Backend {
   // of a capture come from an arena shared by all graphs, so a graph's outputs
   // are valid until the next replay of any graph). Not all backends have them.
   virtual bool supports_graphs() const { return false; }
-  virtual std::shared_ptr<void> capture_graph(const std::function<void()>& body) {
+  // share_uploads = false: metadata uploads with equal contents get a copy each (restaging then
+  // never finds two that no longer agree).
+  virtual std::shared_ptr<void> capture_graph(const std::function<void()>& body, bool share_uploads = true) {
     throw std::logic_error("this backend has no graphs");
   }
   virtual void replay_graph(const std::shared_ptr<void>& graph) {}
+  // New batch metadata (token ids, positions, slots, page tables, rows) for a graph's next replay:
+  // runs `body` again on the host only (arguments checked, metadata staged, nothing launched).
+  // False when body no longer matches the capture (other launch shapes, or two uploads that were
+  // equal at capture and shared one copy now differ): capture it again then.
+  virtual bool restage_graph(const std::shared_ptr<void>& graph, const std::function<void()>& body) { return false; }
   // Waits until every queued operation has finished (for timing).
   virtual void synchronize() {}
   // Returns memory cached by the allocator but unused to the device (memory reports).

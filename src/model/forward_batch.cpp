@@ -20,4 +20,16 @@ int32_t ForwardBatch::add_sequence(const std::vector<int32_t>& tokens, int32_t n
   return first;
 }
 
+void ForwardBatch::set_key_capacity(int32_t keys) {
+  for (auto& seg : segments) {
+    check(keys >= seg.n_keys, "forward batch: key capacity ", keys, " is below a sequence's ", seg.n_keys, " keys");
+    const int32_t have = (seg.n_keys + page_size - 1) / page_size, need = (keys + page_size - 1) / page_size;
+    auto table = std::make_shared<std::vector<int32_t>>(seg.page_table, seg.page_table + have);
+    table->resize(static_cast<size_t>(need), 0);
+    seg.page_table = table->data();
+    seg.key_capacity = keys;
+    padded_tables_.push_back(std::move(table));
+  }
+}
+
 }  // namespace dflash

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -28,6 +29,14 @@ struct ForwardBatch {
   int32_t add_sequence(const std::vector<int32_t>& tokens, int32_t n_past, const std::vector<int32_t>& page_table,
                        bool causal = true);
   int32_t n_rows() const { return static_cast<int32_t>(positions.size()); }
+
+  // Sizes every sequence's attention launches for `keys` keys (>= each one's n_keys; its page
+  // table padded with page 0 past the pages it has), so that a graph captured for this batch
+  // serves later steps with more keys, up to `keys`.
+  void set_key_capacity(int32_t keys);
+
+ private:
+  std::vector<std::shared_ptr<std::vector<int32_t>>> padded_tables_;  // segments point into these
 };
 
 }  // namespace dflash

@@ -76,6 +76,8 @@ std::string Metrics::render(const ServingStats& st, const std::string& model) co
         static_cast<double>(st.prompt_tokens));
   gauge("dflash_generation_tokens_total", "counter", "tokens generated", static_cast<double>(st.generated_tokens));
   gauge("dflash_engine_steps_total", "counter", "engine steps (one target forward each)", static_cast<double>(st.n_steps));
+  gauge("dflash_graph_steps_total", "counter", "engine steps run as CUDA-graph replays",
+        static_cast<double>(st.graph_steps));
   gauge("dflash_dflash_steps_total", "counter", "DFlash sequence-steps (one draft block verified)",
         static_cast<double>(st.dflash_seq_steps));
   gauge("dflash_requests_finished_total", "counter", "requests that ran to completion", static_cast<double>(st.n_finished));

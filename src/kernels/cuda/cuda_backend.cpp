@@ -8,6 +8,8 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
+#include <tuple>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -41,8 +43,9 @@ struct StreamOwner {
 
 class StagingRing {
  public:
-  // may_wrap = false: a graph's ring; its copies are replayed, so nothing is ever overwritten.
-  StagingRing(cudaStream_t s, size_t size, bool may_wrap) : stream_(s), size_(size), may_wrap_(may_wrap) {
+  // for_graph: a graph's ring. Nothing wraps (replays read every piece again), and put only
+  // writes the host side: the graph copies all of it to the device first on each replay.
+  StagingRing(cudaStream_t s, size_t size, bool for_graph) : stream_(s), size_(size), for_graph_(for_graph) {
     CUDA_CHECK(cudaMallocHost(&host_, size_));
     CUDA_CHECK(cudaMalloc(&device_, size_));
   }
@@ -54,40 +57,61 @@ class StagingRing {
   // which waits for the stream, i.e. for every kernel that used the old contents.
   void* put(const void* data, size_t bytes) {
     const size_t need = (bytes + 255) / 256 * 256;
-    check(need <= size_ / 4 || (!may_wrap_ && offset_ + need <= size_), "batch metadata of ", bytes,
+    check(need <= size_ / 4 || (for_graph_ && offset_ + need <= size_), "batch metadata of ", bytes,
           " bytes exceeds the staging ring");
     if (offset_ + need > size_) {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       offset_ = 0;
       ++n_wraps_;
     }
-    char* h = static_cast<char*>(host_) + offset_;
-    char* d = static_cast<char*>(device_) + offset_;
+    char* h = host(offset_);
+    char* d = device(offset_);
     std::memcpy(h, data, bytes);
-    CUDA_CHECK(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, stream_));
+    if (!for_graph_) CUDA_CHECK(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, stream_));
     offset_ += need;
     return d;
   }
 
   uint64_t n_wraps() const { return n_wraps_; }
+  size_t used() const { return offset_; }
+  char* host(size_t offset) const { return static_cast<char*>(host_) + offset; }
+  char* device(size_t offset) const { return static_cast<char*>(device_) + offset; }
 
  private:
   cudaStream_t stream_;
   size_t size_;
-  bool may_wrap_;
+  bool for_graph_;
   void* host_ = nullptr;
   void* device_ = nullptr;
   size_t offset_ = 0;
   uint64_t n_wraps_ = 0;
 };
 
-// An instantiated graph and the ring its metadata copies read from on every replay.
+// An instantiated graph, the ring its metadata comes from (copied to the device by the graph's
+// first node), and what restage_graph checks a new step against: the capture's uploads in order
+// and the launch decisions that depended on the batch.
 struct CudaGraph {
+  struct Upload {
+    size_t offset = 0, bytes = 0;
+    int same_as = -1;  // an earlier upload with equal contents at capture, whose copy this one shares
+  };
   cudaGraphExec_t exec = nullptr;
+  cudaEvent_t replayed = nullptr;  // after the last replay (the host side of the ring is free again)
   std::shared_ptr<StagingRing> ring;
+  std::vector<Upload> uploads;
+  std::vector<int64_t> launch_notes;
   ~CudaGraph() {
     if (exec) cudaGraphExecDestroy(exec);
+    if (replayed) cudaEventDestroy(replayed);
   }
+};
+
+// What restage_graph is doing: which graph, how far through its uploads and notes, and whether
+// the body still matches.
+struct Restage {
+  CudaGraph* graph = nullptr;
+  size_t upload = 0, note = 0;
+  bool matches = true;
 };
 
 class CudaBackend final : public Backend {
@@ -104,7 +128,7 @@ class CudaBackend final : public Backend {
     uint64_t keep = UINT64_MAX;  // keep freed blocks for reuse instead of returning them at each sync
     CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
     lt_ = std::make_unique<cuda::LtGemm>(s_);
-    ring_ = std::make_shared<StagingRing>(s_, size_t{32} << 20, true);
+    ring_ = std::make_shared<StagingRing>(s_, size_t{32} << 20, /*for_graph=*/false);
     active_ring_ = ring_.get();
     CUDA_CHECK(cudaMallocHost(&argmax_host_, sizeof(int32_t) * kArgmaxCap));
     const size_t argmax_bytes = sizeof(int32_t) * kArgmaxCap + cuda::argmax_workspace_bytes();
@@ -124,16 +148,19 @@ class CudaBackend final : public Backend {
 
   bool supports_graphs() const override { return true; }
 
-  std::shared_ptr<void> capture_graph(const std::function<void()>& body) override {
-    check(!capturing_, "cuda backend: graph captures cannot nest");
+  std::shared_ptr<void> capture_graph(const std::function<void()>& body, bool share_uploads) override {
+    check(!capturing_ && !restage_, "cuda backend: graph captures cannot nest");
     if (!arena_) {
       arena_size_ = size_t{1} << 30;
       CUDA_CHECK(cudaMalloc(&arena_, arena_size_));
     }
     auto g = std::make_shared<CudaGraph>();
-    g->ring = std::make_shared<StagingRing>(s_, size_t{4} << 20, false);
+    g->ring = std::make_shared<StagingRing>(s_, size_t{2} << 20, /*for_graph=*/true);
+    CUDA_CHECK(cudaEventCreateWithFlags(&g->replayed, cudaEventDisableTiming));
     synchronize();
     active_ring_ = g->ring.get();
+    capture_ = g.get();
+    share_uploads_ = share_uploads;
     recent_.clear();
     capturing_ = true;
     arena_offset_ = 0;
@@ -141,30 +168,53 @@ class CudaBackend final : public Backend {
     capture_ws_bytes_ = 0;
     CUDA_CHECK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeRelaxed));
     cudaGraph_t graph = nullptr;
+    auto end_capture = [&] {
+      capturing_ = false;
+      capture_ = nullptr;
+      active_ring_ = ring_.get();
+      recent_.clear();
+    };
     try {
       body();
     } catch (...) {
       cudaStreamEndCapture(s_, &graph);
       if (graph) cudaGraphDestroy(graph);
-      capturing_ = false;
-      active_ring_ = ring_.get();
-      recent_.clear();
+      end_capture();
       throw;
     }
-    capturing_ = false;
-    active_ring_ = ring_.get();
-    recent_.clear();
+    end_capture();
     CUDA_CHECK(cudaStreamEndCapture(s_, &graph));
-    const cudaError_t err = cudaGraphInstantiate(&g->exec, graph, 0);
-    cudaGraphDestroy(graph);
-    CUDA_CHECK(err);
+    std::unique_ptr<CUgraph_st, decltype(&cudaGraphDestroy)> owned(graph, &cudaGraphDestroy);
+    if (g->ring->used() > 0) copy_ring_first(graph, *g->ring);
+    CUDA_CHECK(cudaGraphInstantiate(&g->exec, graph, 0));
     return g;
   }
 
   void replay_graph(const std::shared_ptr<void>& graph) override {
-    CUDA_CHECK(cudaGraphLaunch(static_cast<CudaGraph*>(graph.get())->exec, s_));
+    auto* g = static_cast<CudaGraph*>(graph.get());
+    CUDA_CHECK(cudaGraphLaunch(g->exec, s_));
+    CUDA_CHECK(cudaEventRecord(g->replayed, s_));
   }
 
+  bool restage_graph(const std::shared_ptr<void>& graph, const std::function<void()>& body) override {
+    check(!capturing_ && !restage_, "cuda backend: a graph cannot be restaged inside a capture");
+    auto* g = static_cast<CudaGraph*>(graph.get());
+    CUDA_CHECK(cudaEventSynchronize(g->replayed));  // its last replay has read the ring
+    Restage r;
+    r.graph = g;
+    restage_ = &r;
+    arena_offset_ = 0;
+    capture_ws_ = nullptr;
+    capture_ws_bytes_ = 0;
+    try {
+      body();
+    } catch (...) {
+      restage_ = nullptr;
+      throw;
+    }
+    restage_ = nullptr;
+    return r.matches && r.upload == g->uploads.size() && r.note == g->launch_notes.size();
+  }
   std::string name() const override { return std::string("cuda (") + props_.name + ")"; }
 
   bool memory_info(int64_t& free_bytes, int64_t& total_bytes) override {
@@ -219,7 +269,7 @@ class CudaBackend final : public Backend {
   Tensor alloc_as(int64_t rows, int64_t cols, DType dt) {
     check(rows >= 0 && cols >= 0, "cuda backend: negative tensor size");
     const size_t bytes = dtype_size(dt) * static_cast<size_t>(std::max<int64_t>(rows * cols, 1));
-    if (capturing_) return arena_tensor(rows, cols, bytes, dt);
+    if (graph_mode()) return arena_tensor(rows, cols, bytes, dt);
     void* p = nullptr;
     const cudaError_t err = cudaMallocAsync(&p, bytes, s_);
     if (err != cudaSuccess) {
@@ -322,7 +372,9 @@ class CudaBackend final : public Backend {
       check(id >= 0 && id < table.rows, "token id ", id, " is outside the vocabulary (0..", table.rows - 1, ")");
     }
     check(residual_dtype(out), "cuda backend: embed output must be F32 or BF16");
-    cuda::launch_embed(mat(table), stage(ids), rows_of(out), s_);
+    const int32_t* d_ids = stage(ids);
+    if (skip_launch()) return;
+    cuda::launch_embed(mat(table), d_ids, rows_of(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -330,6 +382,7 @@ class CudaBackend final : public Backend {
     require_bf16(x, "matmul input");
     require_bf16(w, "matmul weight");
     check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "cuda backend: matmul shape mismatch");
+    if (skip_launch()) return;
     if (cuda::skinny_gemm_supported(mat(x), mat(w), mat(out))) {
       cuda::launch_skinny_gemm(mat(x), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
                                props_.multiProcessorCount, s_);
@@ -348,6 +401,7 @@ class CudaBackend final : public Backend {
     require_bf16(w, "matmul weight");
     check(x.cols == w.cols && w.rows == 2 * out.cols && out.rows == x.rows,
           "cuda backend: matmul_swiglu shape mismatch");
+    if (skip_launch()) return;
     if (!cuda::skinny_gemm_supported(mat(x), mat(w), mat(out))) return Backend::matmul_swiglu(x, w, bias, gate_up, out);
     cuda::launch_skinny_gemm_swiglu(mat(x), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
                                     s_);
@@ -364,6 +418,7 @@ class CudaBackend final : public Backend {
     if (off || !rn.residual || !shapes ||
         !cuda::skinny_gemm_norm_supported(rn, n.residual->rows, mat(w), gate_up, props_.multiProcessorCount))
       return Backend::norm_matmul(n, h, w, bias, out, gate_up);
+    if (skip_launch()) return;
     cuda::launch_skinny_gemm_norm(rn, n.residual->rows, mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr,
                                   mat(out), gate_up != nullptr, props_.multiProcessorCount, s_);
     CUDA_CHECK_LAUNCH();
@@ -396,6 +451,7 @@ class CudaBackend final : public Backend {
   void rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) override {
     check(residual_dtype(x), "cuda backend: rms_norm input must be F32 or BF16");
     require_bf16(out, "rms_norm output");
+    if (skip_launch()) return;
     cuda::launch_rms_norm(rows_of(x), static_cast<const bf16*>(weight.data), eps, mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
@@ -406,6 +462,7 @@ class CudaBackend final : public Backend {
           "cuda backend: add_rms_norm needs the residual and its output in one type (F32 or BF16)");
     require_bf16(delta, "add_rms_norm delta");
     require_bf16(out, "add_rms_norm output");
+    if (skip_launch()) return;
     cuda::launch_add_rms_norm(rows_of(residual), mat(delta), rows_of(residual_out),
                               static_cast<const bf16*>(weight.data), eps, mat(out), s_);
     CUDA_CHECK_LAUNCH();
@@ -415,9 +472,11 @@ class CudaBackend final : public Backend {
                       const std::vector<int32_t>& positions, const std::vector<float>& inv_freq) override {
     check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
     check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+    const int32_t* d_positions = stage(positions);
+    if (skip_launch()) return;
     cuda::launch_head_norm_rope(mat(x), n_heads, head_dim,
                                 norm_weight ? static_cast<const bf16*>(norm_weight->data) : nullptr, eps,
-                                stage(positions), device_inv_freq(inv_freq), s_);
+                                d_positions, device_inv_freq(inv_freq), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -430,14 +489,18 @@ class CudaBackend final : public Backend {
     check(qkv.cols == int64_t{n_heads + 2 * n_kv_heads} * head_dim, "cuda backend: qkv shape mismatch");
     for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
     auto ptr = [](const Tensor* t) { return t ? static_cast<const bf16*>(t->data) : nullptr; };
+    const int32_t* d_positions = stage(positions);
+    const int32_t* d_slots = stage(slots);
+    if (skip_launch()) return;
     cuda::launch_qkv_rope_kv_write(mat(qkv), n_heads, n_kv_heads, head_dim, ptr(q_norm), ptr(k_norm), eps,
-                                   stage(positions), device_inv_freq(inv_freq), mat(k_cache), mat(v_cache),
-                                   stage(slots), s_);
+                                   d_positions, device_inv_freq(inv_freq), mat(k_cache), mat(v_cache), d_slots,
+                                   s_);
     CUDA_CHECK_LAUNCH();
   }
 
   void swiglu(const Tensor& gate_up, Tensor& out) override {
     check(gate_up.cols == 2 * out.cols, "cuda backend: swiglu shape mismatch");
+    if (skip_launch()) return;
     cuda::launch_swiglu(mat(gate_up), mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
@@ -445,7 +508,9 @@ class CudaBackend final : public Backend {
   void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                 const std::vector<int32_t>& slots) override {
     for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
-    cuda::launch_kv_write(mat(k), mat(v), mat(k_cache), mat(v_cache), stage(slots), s_);
+    const int32_t* d_slots = stage(slots);
+    if (skip_launch()) return;
+    cuda::launch_kv_write(mat(k), mat(v), mat(k_cache), mat(v_cache), d_slots, s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -465,6 +530,7 @@ class CudaBackend final : public Backend {
     const int64_t q_dim = int64_t{p.n_heads} * p.head_dim, kv_dim = int64_t{p.n_kv_heads} * p.head_dim;
     const cuda::AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
     auto separate = [&] {
+      note_launch(0);
       Backend::qkv_attention(qkv, q_norm, k_norm, eps, inv_freq, slots, k_cache, v_cache, segments, positions, p, out);
     };
     if (off || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 || qkv.cols != q_dim + 2 * kv_dim ||
@@ -475,12 +541,13 @@ class CudaBackend final : public Backend {
     int n_tiles = 0, max_keys = 0;
     for (const auto& seg : segments) {
       n_tiles += (seg.n_rows + tile_rows - 1) / tile_rows;
-      max_keys = std::max(max_keys, seg.n_keys);
+      max_keys = std::max(max_keys, launch_keys(seg));
     }
     if (!cuda::attention_fresh_supported(shape, n_tiles, max_keys)) return separate();
     const float2* rope = rope_table(inv_freq, max_keys - 1);
     if (!rope) return separate();  // a capture needs a larger table than there is
     for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
+    note_launch(1);
     auto ptr = [](const Tensor* t) { return t ? static_cast<const bf16*>(t->data) : nullptr; };
     const bf16* base = static_cast<const bf16*>(qkv.data);
     const cuda::AttnFresh fresh{base + q_dim, base + q_dim + kv_dim, qkv.stride, ptr(q_norm), ptr(k_norm), eps, rope};
@@ -492,7 +559,9 @@ class CudaBackend final : public Backend {
     check(residual_dtype(src) && src.cols == out.cols && static_cast<int64_t>(rows.size()) == out.rows,
           "cuda backend: gather_rows shape mismatch");
     require_bf16(out, "gather_rows output");
-    cuda::launch_gather_rows(rows_of(src), stage(rows), mat(out), s_);
+    const int32_t* d_rows = stage(rows);
+    if (skip_launch()) return;
+    cuda::launch_gather_rows(rows_of(src), d_rows, mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -501,7 +570,7 @@ class CudaBackend final : public Backend {
     for (int64_t r0 = 0; r0 < x.rows; r0 += kArgmaxCap) {
       const int64_t n = std::min<int64_t>(kArgmaxCap, x.rows - r0);
       Tensor part = x.slice_rows(r0, n);
-      check(!capturing_, "cuda backend: argmax synchronizes and cannot be captured");
+      check(!graph_mode(), "cuda backend: argmax synchronizes and cannot be captured");
       cuda::launch_argmax(mat(part), argmax_out_, argmax_out_ + kArgmaxCap, s_);
       CUDA_CHECK_LAUNCH();
       CUDA_CHECK(cudaMemcpyAsync(argmax_host_, argmax_out_, n * sizeof(int32_t), cudaMemcpyDeviceToHost, s_));
@@ -517,7 +586,7 @@ class CudaBackend final : public Backend {
   std::vector<TopCandidates> select_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
                                                const std::vector<float>& temperature,
                                                const std::vector<int32_t>& top_k) override {
-    check(!capturing_, "cuda backend: top_candidates synchronizes and cannot be captured");
+    check(!graph_mode(), "cuda backend: top_candidates synchronizes and cannot be captured");
     require_bf16(logits, "top_candidates input");
     std::vector<TopCandidates> out(rows.size());
     std::vector<size_t> on_device, on_host;
@@ -570,6 +639,9 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kArgmaxCap = cuda::kArgmaxMaxRows;
   static constexpr size_t kTopRowsPerCall = 64;
 
+  // The keys a segment's launch is sized for (AttentionSegment::key_capacity).
+  static int32_t launch_keys(const AttentionSegment& seg) { return std::max(seg.n_keys, seg.key_capacity); }
+
   // Whether each segment's rows are its last keys, in order, with the slots its page table gives.
   static bool rows_are_last_keys(const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
                                  const std::vector<int32_t>& slots, int page_size, int64_t n_rows) {
@@ -600,7 +672,7 @@ class CudaBackend final : public Backend {
     std::vector<int32_t> tables;
     int max_keys = 0;
     for (const auto& seg : segments) {
-      const int n_table = (seg.n_keys + p.page_size - 1) / p.page_size;
+      const int n_table = (launch_keys(seg) + p.page_size - 1) / p.page_size;
       const auto offset = static_cast<int32_t>(tables.size());
       tables.insert(tables.end(), seg.page_table, seg.page_table + n_table);
       const int32_t fresh_begin = fresh ? seg.n_keys - seg.n_rows : std::numeric_limits<int32_t>::max();
@@ -610,7 +682,7 @@ class CudaBackend final : public Backend {
       for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; r += tile_rows) {
         tiles.push_back({r, std::min(tile_rows, seg.first_row + seg.n_rows - r)});
       }
-      max_keys = std::max(max_keys, seg.n_keys);
+      max_keys = std::max(max_keys, launch_keys(seg));
     }
     if (tables.empty()) tables.push_back(0);
     if (tiles.empty()) tiles.push_back({0, 0});
@@ -620,13 +692,16 @@ class CudaBackend final : public Backend {
     const auto* d_rows = static_cast<const cuda::AttnRow*>(stage_bytes(rows.data(), rows.size() * sizeof(rows[0])));
     const auto* d_tiles =
         static_cast<const cuda::AttnTile*>(stage_bytes(tiles.data(), tiles.size() * sizeof(tiles[0])));
+    const int32_t* d_tables = stage(tables);
+    note_launch(max_keys);
+    if (skip_launch()) return;
     if (fresh)
       cuda::launch_attention_fresh(mat(q), *fresh, mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows),
-                                   d_tiles, static_cast<int>(tiles.size()), max_keys, stage(tables), shape, workspace,
+                                   d_tiles, static_cast<int>(tiles.size()), max_keys, d_tables, shape, workspace,
                                    mat(out), s_);
     else
       cuda::launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, static_cast<int>(q.rows), d_tiles,
-                             static_cast<int>(tiles.size()), max_keys, stage(tables), shape, workspace, mat(out), s_);
+                             static_cast<int>(tiles.size()), max_keys, d_tables, shape, workspace, mat(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -637,23 +712,77 @@ class CudaBackend final : public Backend {
   // Copies batch metadata to the device once: a vector equal to one of the last
   // few staged (positions, slots, attention rows are the same for every layer)
   // reuses that copy, so a step holds one upload of each, not one per layer.
+  // Inside a capture the graph records each upload; restaging writes the new contents in the
+  // same places (launches skipped: the returned pointer is only for the launch).
   const void* stage_bytes(const void* data, size_t bytes) {
     if (bytes == 0) return nullptr;
+    if (restage_) return restage_bytes(data, bytes);
     if (active_ring_->n_wraps() != recent_wraps_) {
       recent_.clear();
       recent_wraps_ = active_ring_->n_wraps();
     }
     const std::string key(static_cast<const char*>(data), bytes);
-    for (const auto& [host, dev] : recent_)
-      if (host == key) return dev;
+    for (const auto& [host, dev, index] : recent_) {
+      if (host != key || (capture_ && !share_uploads_)) continue;
+      if (capture_) capture_->uploads.push_back({capture_->uploads[index].offset, bytes, index});
+      return dev;
+    }
+    const size_t offset = active_ring_->used();
     const void* d = active_ring_->put(data, bytes);
     if (active_ring_->n_wraps() != recent_wraps_) {  // this put wrapped: older entries are gone
       recent_.clear();
       recent_wraps_ = active_ring_->n_wraps();
     }
+    int index = -1;
+    if (capture_) {
+      index = static_cast<int>(capture_->uploads.size());
+      capture_->uploads.push_back({offset, bytes, -1});
+    }
     if (recent_.size() >= 8) recent_.erase(recent_.begin());
-    recent_.emplace_back(key, d);
+    recent_.emplace_back(key, d, index);
     return d;
+  }
+
+  const void* restage_bytes(const void* data, size_t bytes) {
+    Restage& r = *restage_;
+    const auto& ups = r.graph->uploads;
+    if (r.upload >= ups.size() || ups[r.upload].bytes != bytes) {
+      r.matches = false;
+      return nullptr;
+    }
+    const CudaGraph::Upload& u = ups[r.upload++];
+    char* host = r.graph->ring->host(u.offset);
+    if (u.same_as >= 0) r.matches = r.matches && std::memcmp(host, data, bytes) == 0;  // still one copy?
+    else std::memcpy(host, data, bytes);
+    return r.graph->ring->device(u.offset);
+  }
+
+  // A launch decision taken from the batch's contents (not only its shapes): a capture records
+  // it, restaging requires the same.
+  void note_launch(int64_t value) {
+    if (capture_) capture_->launch_notes.push_back(value);
+    if (!restage_) return;
+    Restage& r = *restage_;
+    const auto& notes = r.graph->launch_notes;
+    r.matches = r.matches && r.note < notes.size() && notes[r.note] == value;
+    ++r.note;
+  }
+
+  // Restaging runs the host side only.
+  bool skip_launch() const { return restage_ != nullptr; }
+  bool graph_mode() const { return capturing_ || restage_; }
+
+  // Makes a copy of the ring's used part (host to device) the graph's first node.
+  static void copy_ring_first(cudaGraph_t graph, const StagingRing& ring) {
+    size_t n = 0;
+    CUDA_CHECK(cudaGraphGetRootNodes(graph, nullptr, &n));
+    std::vector<cudaGraphNode_t> roots(n);
+    CUDA_CHECK(cudaGraphGetRootNodes(graph, roots.data(), &n));
+    cudaGraphNode_t copy = nullptr;
+    CUDA_CHECK(cudaGraphAddMemcpyNode1D(&copy, graph, nullptr, 0, ring.device(0), ring.host(0), ring.used(),
+                                        cudaMemcpyHostToDevice));
+    const std::vector<cudaGraphNode_t> from(n, copy);
+    if (n > 0) CUDA_CHECK(cudaGraphAddDependencies(graph, from.data(), roots.data(), nullptr, n));
   }
 
   Tensor arena_tensor(int64_t rows, int64_t cols, size_t bytes, DType dt = DType::BF16) {
@@ -675,7 +804,7 @@ class CudaBackend final : public Backend {
   // Inside a capture, a fresh piece of the arena (graphs keep their own addresses).
   void* workspace_for(int64_t bytes) {
     if (bytes == 0) return nullptr;
-    if (capturing_) {  // one piece per capture, grown when a later call needs more
+    if (graph_mode()) {  // one piece per capture, grown when a later call needs more
       if (capture_ws_bytes_ < bytes) {
         capture_ws_ = arena_tensor(1, 1, static_cast<size_t>(bytes)).data;
         capture_ws_bytes_ = bytes;
@@ -693,7 +822,7 @@ class CudaBackend final : public Backend {
     const float* f = device_inv_freq(inv_freq);
     auto& tables = rope_tables_[f];
     if (!tables.empty() && tables.back().second > max_position) return tables.back().first;
-    if (capturing_) return nullptr;
+    if (graph_mode()) return nullptr;
     int n = 4096;
     while (n <= max_position) n *= 2;
     float2* t = nullptr;
@@ -725,14 +854,18 @@ class CudaBackend final : public Backend {
   bool gpu_top_k_ = cuda::env_switch("DFLASH_GPU_TOP_K") != "0";
   cuda::TopCandidatesRow* top_out_ = nullptr;   // top_candidates' results, device and pinned host
   cuda::TopCandidatesRow* top_host_ = nullptr;
-  // Recent uploads (contents -> device copy) of the active ring, valid until it wraps:
-  // the positions and slots every layer passes are copied once per forward.
-  std::vector<std::pair<std::string, const void*>> recent_;
+  // Recent uploads (contents -> device copy, index in the capture's uploads) of the active
+  // ring, valid until it wraps: the positions and slots every layer passes are copied once per
+  // forward.
+  std::vector<std::tuple<std::string, const void*, int>> recent_;
   uint64_t recent_wraps_ = 0;
   // Graph capture: temporaries come from a bump arena so that replays reuse their addresses.
   void* arena_ = nullptr;
   size_t arena_size_ = 0, arena_offset_ = 0;
   bool capturing_ = false;
+  CudaGraph* capture_ = nullptr;  // the graph being captured
+  bool share_uploads_ = true;     // its uploads of equal contents share one copy
+  Restage* restage_ = nullptr;    // the restaging under way
   void* capture_ws_ = nullptr;
   int64_t capture_ws_bytes_ = 0;
   std::map<std::vector<float>, float*> inv_freq_;

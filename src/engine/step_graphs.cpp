@@ -1,0 +1,48 @@
+#include "engine/step_graphs.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+#include "util/error.h"
+
+namespace dflash {
+
+StepGraphs::StepGraphs(Backend& be, size_t max_graphs)
+    : be_(be), on_(be.supports_graphs() && std::string(std::getenv("DFLASH_GRAPHS") ? std::getenv("DFLASH_GRAPHS") : "") != "0"),
+      max_graphs_(max_graphs) {}
+
+void StepGraphs::run(const std::string& key, const std::function<void()>& body) {
+  if (!on_ || eager_.count(key)) return body();
+  auto it = graphs_.begin();
+  while (it != graphs_.end() && it->first != key) ++it;
+  bool share_uploads = true;
+  if (it != graphs_.end()) {
+    graphs_.splice(graphs_.begin(), graphs_, it);  // most recently used first
+    if (be_.restage_graph(graphs_.front().second, body)) {
+      be_.replay_graph(graphs_.front().second);
+      ++replays_;
+      return;
+    }
+    // Two uploads that were equal at capture differ now (or a launch decision changed):
+    // capture again, each upload with its own copy.
+    graphs_.pop_front();
+    share_uploads = false;
+  }
+  std::shared_ptr<void> graph;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    graph = be_.capture_graph(body, share_uploads);
+  } catch (const Error&) {
+    eager_.insert(key);  // e.g. more metadata than a graph's ring holds; a real input error recurs below
+    return body();
+  }
+  capture_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ++captures_;
+  graphs_.emplace_front(key, graph);
+  if (graphs_.size() > max_graphs_) graphs_.pop_back();
+  be_.replay_graph(graph);
+  ++replays_;
+}
+
+}  // namespace dflash

@@ -1,0 +1,49 @@
+// Decoding steps as CUDA-graph replays. A step body (model forwards, no host
+// round trips) is captured once per key, the shape of the step: rows per
+// sequence and the key capacity its attention is launched for. Later steps with
+// that key stage their batch metadata into the graph (Backend::restage_graph)
+// and replay it instead of launching op by op. Backends without graphs, and
+// DFLASH_GRAPHS=0, run every body eagerly.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <utility>
+
+#include "kernels/backend.h"
+
+namespace dflash {
+
+class StepGraphs {
+ public:
+  explicit StepGraphs(Backend& be, size_t max_graphs = 16);
+  bool on() const { return on_; }
+
+  // Key capacity shared by the steps of one graph: n_keys rounded up to kKeyGranule (the
+  // attention launches for up to that many keys; blocks past a row's keys do no work).
+  static constexpr int32_t kKeyGranule = 256;
+  static int32_t key_capacity(int32_t n_keys) { return (n_keys + kKeyGranule - 1) / kKeyGranule * kKeyGranule; }
+
+  // Runs body once: as a replay of the graph of `key` (captured now if there is none), or
+  // eagerly when graphs are off. Tensors the body assigns stay valid until the next run.
+  void run(const std::string& key, const std::function<void()>& body);
+
+  int64_t captures() const { return captures_; }
+  double capture_ms() const { return capture_ms_; }  // host time spent capturing and instantiating
+  int64_t replays() const { return replays_; }
+
+ private:
+  Backend& be_;
+  bool on_;
+  size_t max_graphs_;
+  std::list<std::pair<std::string, std::shared_ptr<void>>> graphs_;  // most recently used first
+  std::unordered_set<std::string> eager_;  // keys whose capture failed
+  int64_t captures_ = 0, replays_ = 0;
+  double capture_ms_ = 0;
+};
+
+}  // namespace dflash

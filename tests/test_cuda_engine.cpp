@@ -151,7 +151,7 @@ TEST_F(CudaEngine, GraphReplaysOfNewBatchesEqualEagerSteps) {
   KvCache eager = m.alloc_cache(n_pages, page), graphed = m.alloc_cache(n_pages, page);
   std::vector<int32_t> identity(n_pages), shuffled(n_pages);
   for (int i = 0; i < n_pages; ++i) identity[i] = i, shuffled[i] = (i * 37 + 5) % n_pages;
-  StepGraphs graphs(*be);
+  StepGraphs graphs(*be, 16, /*capture_after=*/1);
   ASSERT_TRUE(graphs.on());
   std::mt19937 rng(3);
   for (int step = 0; step < 24; ++step) {

@@ -8,9 +8,9 @@
 
 namespace dflash {
 
-StepGraphs::StepGraphs(Backend& be, size_t max_graphs)
+StepGraphs::StepGraphs(Backend& be, size_t max_graphs, int capture_after)
     : be_(be), on_(be.supports_graphs() && std::string(std::getenv("DFLASH_GRAPHS") ? std::getenv("DFLASH_GRAPHS") : "") != "0"),
-      max_graphs_(max_graphs) {}
+      max_graphs_(max_graphs), capture_after_(capture_after) {}
 
 void StepGraphs::run(const std::string& key, const std::function<void()>& body) {
   if (!on_ || eager_.count(key)) return body();
@@ -28,6 +28,10 @@ void StepGraphs::run(const std::string& key, const std::function<void()>& body) 
     // capture again, each upload with its own copy.
     graphs_.pop_front();
     share_uploads = false;
+  } else {
+    if (uses_.size() > 4096) uses_.clear();  // bounded: counts of shapes that came and went
+    if (++uses_[key] < capture_after_) return body();
+    uses_.erase(key);
   }
   std::shared_ptr<void> graph;
   const auto t0 = std::chrono::steady_clock::now();

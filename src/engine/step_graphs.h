@@ -2,8 +2,11 @@
 // round trips) is captured once per key, the shape of the step: rows per
 // sequence and the key capacity its attention is launched for. Later steps with
 // that key stage their batch metadata into the graph (Backend::restage_graph)
-// and replay it instead of launching op by op. Backends without graphs, and
-// DFLASH_GRAPHS=0, run every body eagerly.
+// and replay it instead of launching op by op. A key runs eagerly until it has
+// come kCaptureAfter times (a capture costs milliseconds, a replay saves a
+// fraction of one: short-lived shapes, like a serving batch of one size for a
+// few steps, are not worth it). Backends without graphs, and DFLASH_GRAPHS=0,
+// run every body eagerly.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +14,7 @@
 #include <list>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -20,7 +24,8 @@ namespace dflash {
 
 class StepGraphs {
  public:
-  explicit StepGraphs(Backend& be, size_t max_graphs = 16);
+  explicit StepGraphs(Backend& be, size_t max_graphs = 16, int capture_after = kCaptureAfter);
+  static constexpr int kCaptureAfter = 8;
   bool on() const { return on_; }
 
   // Key capacity shared by the steps of one graph: n_keys rounded up to kKeyGranule (the
@@ -41,7 +46,9 @@ class StepGraphs {
   bool on_;
   size_t max_graphs_;
   std::list<std::pair<std::string, std::shared_ptr<void>>> graphs_;  // most recently used first
-  std::unordered_set<std::string> eager_;  // keys whose capture failed
+  int capture_after_;
+  std::unordered_map<std::string, int> uses_;  // eager runs of keys without a graph
+  std::unordered_set<std::string> eager_;      // keys whose capture failed
   int64_t captures_ = 0, replays_ = 0;
   double capture_ms_ = 0;
 };

@@ -45,11 +45,15 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
   const int max_pos = m_.target->config().max_positions;
   std::vector<SeqOutput> outs;
   // A graph step keeps one shape: decodes only, whole blocks, and (DFlash) the draft context
-  // of all rows projected inside the verification graph.
-  bool graphed = graphs_.on() && plan.prefills.empty() && !plan.decodes.empty();
+  // of all rows projected inside the verification graph. At most kMaxGraphSequences: larger
+  // batches change shape often (each a capture) and take longer to restage than to launch
+  // (bench/results/graphs_h100.txt).
+  constexpr size_t kMaxGraphSequences = 8;
+  bool graphed = graphs_.on() && plan.prefills.empty() && !plan.decodes.empty() &&
+                 plan.decodes.size() <= kMaxGraphSequences;
+  const int64_t replays_before = graphs_.replays();
   for (const ServeSeq* s : plan.decodes)
     graphed = graphed && sched.rows_for(*s) == block_ && (!spec_ || s->n_draft_ctx == s->n_cached);
-  if (graphed) ++c.graph_steps;
   auto run_forward = [&](const char* kind, ForwardBatch& b, const std::function<void()>& body) {
     if (graphed) graphs_.run(graph_key(kind, b), body);
     else body();
@@ -170,6 +174,7 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
     m_.be->gather_rows(captured, feature_rows, features);
     m_.draft->project_context(features, pb, draft_cache_);
   }
+  if (graphs_.replays() > replays_before) ++c.graph_steps;
   for (auto& o : outs) {
     c.generated_tokens += static_cast<int64_t>(o.tokens.size());
     if (o.finish_reason.empty() && o.seq->n_cached >= max_pos) o.finish_reason = "length";  // the context is full

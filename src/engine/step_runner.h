@@ -3,8 +3,8 @@
 // decoding sequence's block comes first, and the committed tokens' context is
 // projected into the draft cache after verification. Each sequence accepts and
 // rolls back on its own (rollback = not counting rejected rows as cached).
-// Steps without prefill chunks, every sequence running a whole block, replay
-// CUDA graphs (StepGraphs) keyed by the number of sequences and the key capacity.
+// Steps without prefill chunks, of up to 8 sequences each running a whole block,
+// replay CUDA graphs (StepGraphs) keyed by the number of sequences and the key capacity.
 #pragma once
 
 #include <string>

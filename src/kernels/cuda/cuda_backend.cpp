@@ -151,8 +151,12 @@ class CudaBackend final : public Backend {
   std::shared_ptr<void> capture_graph(const std::function<void()>& body, bool share_uploads) override {
     check(!capturing_ && !restage_, "cuda backend: graph captures cannot nest");
     if (!arena_) {
+      if (cudaMalloc(&arena_, size_t{1} << 30) != cudaSuccess) {
+        cudaGetLastError();  // not left for the next launch check to report
+        arena_ = nullptr;
+        throw Error("out of GPU memory for the 1 GiB arena of CUDA graphs' temporaries");
+      }
       arena_size_ = size_t{1} << 30;
-      CUDA_CHECK(cudaMalloc(&arena_, arena_size_));
     }
     auto g = std::make_shared<CudaGraph>();
     g->ring = std::make_shared<StagingRing>(s_, size_t{2} << 20, /*for_graph=*/true);

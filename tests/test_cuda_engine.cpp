@@ -57,6 +57,14 @@ TEST_F(CudaEngine, TargetLogitsTrackTheCpuBackend) {
   }
 }
 
+EngineOptions bundled_pair_on_gpu() {
+  EngineOptions eo;
+  eo.device = "cuda";
+  eo.model_dir = test::models_dir() + "/pycoder-16m";
+  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
+  return eo;
+}
+
 // Runs plain and DFlash greedy decoding on `prompts` and requires identical tokens.
 double expect_lossless(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
                        const std::vector<int32_t>& eos, const std::string& what) {
@@ -100,10 +108,7 @@ TEST_F(CudaEngine, DFlashEqualsPlainGreedyForTheBundledPair) {
     const auto& p = prompts[i];
     prompts.emplace_back(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(p.size() * 2 / 3));
   }
-  EngineOptions eo;
-  eo.device = "cuda";
-  eo.model_dir = test::models_dir() + "/pycoder-16m";
-  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
+  const EngineOptions eo = bundled_pair_on_gpu();
   Engine engine(eo);
   const double tau = expect_lossless(engine, prompts, ref["max_tokens"].get<int>(), {}, "bundled pair");
   EXPECT_GT(tau, 3.0);
@@ -112,10 +117,7 @@ TEST_F(CudaEngine, DFlashEqualsPlainGreedyForTheBundledPair) {
 TEST_F(CudaEngine, DFlashMatchSchemeEqualsPlainSamplingWithTopKOnTheGpu) {
   setenv("DFLASH_GPU_TOP_K", "1", 1);  // top-k candidates selected on the device
   const auto ref = test::read_json(fixture("expected/pycoder16m_humaneval.json"));
-  EngineOptions eo;
-  eo.device = "cuda";
-  eo.model_dir = test::models_dir() + "/pycoder-16m";
-  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
+  const EngineOptions eo = bundled_pair_on_gpu();
   Engine engine(eo);
   long steps = 0, produced = 0;
   int i = 0;
@@ -186,10 +188,7 @@ TEST_F(CudaEngine, GraphReplaysOfNewBatchesEqualEagerSteps) {
 // and sampled, long enough to cross key-capacity granules.
 TEST_F(CudaEngine, GenerateWithGraphsEqualsGenerateOpByOp) {
   const auto ref = test::read_json(fixture("expected/pycoder16m_humaneval.json"));
-  EngineOptions eo;
-  eo.device = "cuda";
-  eo.model_dir = test::models_dir() + "/pycoder-16m";
-  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
+  const EngineOptions eo = bundled_pair_on_gpu();
   Engine engine(eo);
   int i = 0;
   for (const auto& row : ref["rows"]) {
@@ -229,10 +228,7 @@ TEST_F(CudaEngine, ServingWithGraphsEqualsGenerateOpByOp) {
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& row : ref["rows"])
     if (prompts.size() < 8) prompts.push_back(row["prompt_ids"].get<std::vector<int32_t>>());
-  EngineOptions eo;
-  eo.device = "cuda";
-  eo.model_dir = test::models_dir() + "/pycoder-16m";
-  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
+  const EngineOptions eo = bundled_pair_on_gpu();
   for (auto mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
     unsetenv("DFLASH_GRAPHS");
     ServingOptions so;

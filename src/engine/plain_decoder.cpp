@@ -1,6 +1,4 @@
 // Plain decoding: prefill, then one target forward per token.
-#include <algorithm>
-
 #include "engine/verification.h"
 #include "engine/sequence.h"
 #include "util/error.h"
@@ -25,11 +23,7 @@ int32_t DecodeContext::pick(const Tensor& logits, int64_t position) {
 
 void DecodeContext::run_step(const char* kind, ForwardBatch& batch, const std::function<void()>& body) {
   if (!graphs || !graphs->on()) return body();
-  int32_t keys = 0;
-  for (const auto& seg : batch.segments) keys = std::max(keys, seg.n_keys);
-  const int32_t capacity = StepGraphs::key_capacity(keys);
-  batch.set_key_capacity(capacity);
-  graphs->run(cat(kind, ": ", batch.n_rows(), " rows, ", capacity, " keys"), body);
+  graphs->run(StepGraphs::shape_key(kind, batch), body);
 }
 
 void reserve_or_throw(PagePool& pages, std::vector<int32_t>& table, int64_t n_positions) {

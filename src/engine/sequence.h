@@ -48,8 +48,8 @@ struct DecodeContext {
   bool done = false;
   StepGraphs* graphs = nullptr;        // decoding forwards as graph replays (when on)
 
-  // Runs a decoding forward over `batch` (body reads it): through graphs, under a key made of
-  // `kind` and the key capacity that the batch is then sized for, or eagerly.
+  // Runs a decoding forward over `batch` (body reads it): through graphs, under
+  // StepGraphs::shape_key(kind, batch), or eagerly.
   void run_step(const char* kind, ForwardBatch& batch, const std::function<void()>& body);
 };
 

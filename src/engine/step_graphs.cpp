@@ -1,5 +1,6 @@
 #include "engine/step_graphs.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <string>
@@ -11,6 +12,14 @@ namespace dflash {
 StepGraphs::StepGraphs(Backend& be, size_t max_graphs, int capture_after)
     : be_(be), on_(be.supports_graphs() && std::string(std::getenv("DFLASH_GRAPHS") ? std::getenv("DFLASH_GRAPHS") : "") != "0"),
       max_graphs_(max_graphs), capture_after_(capture_after) {}
+
+std::string StepGraphs::shape_key(const char* kind, ForwardBatch& batch) {
+  int32_t keys = 0;
+  for (const auto& seg : batch.segments) keys = std::max(keys, seg.n_keys);
+  const int32_t capacity = key_capacity(keys);
+  batch.set_key_capacity(capacity);
+  return cat(kind, ": ", batch.segments.size(), " sequences, ", batch.n_rows(), " rows, ", capacity, " keys");
+}
 
 void StepGraphs::run(const std::string& key, const std::function<void()>& body) {
   if (!on_ || eager_.count(key)) return body();

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "kernels/backend.h"
+#include "model/forward_batch.h"
 
 namespace dflash {
 
@@ -32,6 +33,10 @@ class StepGraphs {
   // attention launches for up to that many keys; blocks past a row's keys do no work).
   static constexpr int32_t kKeyGranule = 256;
   static int32_t key_capacity(int32_t n_keys) { return (n_keys + kKeyGranule - 1) / kKeyGranule * kKeyGranule; }
+
+  // Sizes the batch's attention for the key capacity of its longest sequence and returns the
+  // key of a step part (`kind`, e.g. "verify") over it.
+  static std::string shape_key(const char* kind, ForwardBatch& batch);
 
   // Runs body once: as a replay of the graph of `key` (captured now if there is none), or
   // eagerly when graphs are off. Tensors the body assigns stay valid until the next run.

@@ -28,16 +28,6 @@ void emit(SeqOutput& o, int32_t token) {
   else if (s.n_generated >= s.max_tokens) o.finish_reason = "length";
 }
 
-// Sizes the batch's attention for the key capacity of its longest sequence and returns the graph
-// key of a step part (`kind`) over it.
-std::string graph_key(const char* kind, ForwardBatch& b) {
-  int32_t keys = 0;
-  for (const auto& seg : b.segments) keys = std::max(keys, seg.n_keys);
-  const int32_t capacity = StepGraphs::key_capacity(keys);
-  b.set_key_capacity(capacity);
-  return cat(kind, ": ", b.segments.size(), " sequences, ", b.n_rows(), " rows, ", capacity, " keys");
-}
-
 }  // namespace
 
 std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sched, StepCounters& c) {
@@ -55,7 +45,7 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
   for (const ServeSeq* s : plan.decodes)
     graphed = graphed && sched.rows_for(*s) == block_ && (!spec_ || s->n_draft_ctx == s->n_cached);
   auto run_forward = [&](const char* kind, ForwardBatch& b, const std::function<void()>& body) {
-    if (graphed) graphs_.run(graph_key(kind, b), body);
+    if (graphed) graphs_.run(StepGraphs::shape_key(kind, b), body);
     else body();
   };
 

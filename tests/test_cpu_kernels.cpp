@@ -191,6 +191,25 @@ TEST_F(CpuKernels, EmbedGatherArgmaxKvWrite) {
     for (int i = 1; i < 6; ++i) if (t[r * 6 + i] > t[r * 6 + best]) best = i;
     EXPECT_EQ(am[r], best);
   }
+  // Ids kept on the device: argmax_ids equals argmax_rows, and an embedding takes them for the
+  // listed rows (an out-of-range device id reads row 0 rather than failing).
+  Tensor ids = be->alloc_ids(11);
+  be->argmax_ids(table, ids);
+  EXPECT_EQ(be->ids_to_host(ids), am);
+  Tensor dev = be->alloc_ids(2);
+  be->argmax_ids(table.slice_rows(7, 2), dev);
+  Tensor patched = poisoned(3, 6);
+  const DeviceTokens from{dev, {2, 0}};
+  be->embed(table, {5, 6, 1}, patched, &from);
+  auto p = be->to_host(patched);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(p[i], t[am[8] * 6 + i]);       // row 0 <- device id 1
+    EXPECT_EQ(p[6 + i], t[6 * 6 + i]);       // row 1 keeps its host id
+    EXPECT_EQ(p[12 + i], t[am[7] * 6 + i]);  // row 2 <- device id 0
+  }
+  static_cast<int32_t*>(dev.data)[0] = 99;
+  be->embed(table, {5, 6, 1}, patched, &from);
+  EXPECT_EQ(be->to_host(patched)[12], t[0]);
   Tensor kc = poisoned(4, 6), vc = poisoned(4, 6);
   be->kv_write(out.slice_rows(0, 2), out.slice_rows(1, 2), kc, vc, {3, 1});
   auto kh = be->to_host(kc);

@@ -223,56 +223,118 @@ TEST_F(CudaEngine, GenerateWithGraphsEqualsGenerateOpByOp) {
 // generation op by op gives: plain with 8 concurrent requests, DFlash one at a time. (Batched
 // DFlash forwards of more than 32 rows take cuBLASLt products, whose rows are not bit-identical
 // to the 16-row skinny products of one sequence, so a near tie may break differently.)
-TEST_F(CudaEngine, ServingWithGraphsEqualsGenerateOpByOp) {
+// Serves `prompts` (greedy, max_tokens each) with up to max_num_seqs at once; tokens per prompt.
+std::vector<std::vector<int32_t>> serve_all(const EngineOptions& eo, SpeculativeMode mode, int max_num_seqs,
+                                            const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
+                                            ServingStats* stats = nullptr) {
+  ServingOptions so;
+  so.engine = eo;
+  so.mode = mode;
+  so.max_num_seqs = max_num_seqs;
+  ServingEngine server(so);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::vector<int32_t>> got(prompts.size());
+  size_t finished = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      RequestParams rp;
+      rp.prompt = prompts[i];
+      rp.max_tokens = max_tokens;
+      server.submit(rp, [&, i](const TokenEvent& e) {
+        std::lock_guard<std::mutex> l(mu);
+        got[i].insert(got[i].end(), e.tokens.begin(), e.tokens.end());
+        if (e.finished) ++finished;
+        cv.notify_all();
+      });
+    }
+  }
+  std::unique_lock<std::mutex> lk(mu);
+  EXPECT_TRUE(cv.wait_for(lk, std::chrono::minutes(5), [&] { return finished == prompts.size(); }));
+  if (stats) *stats = server.stats();
+  return got;
+}
+
+std::vector<std::vector<int32_t>> bundled_prompts(size_t n) {
   const auto ref = test::read_json(fixture("expected/pycoder16m_humaneval.json"));
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& row : ref["rows"])
-    if (prompts.size() < 8) prompts.push_back(row["prompt_ids"].get<std::vector<int32_t>>());
+    if (prompts.size() < n) prompts.push_back(row["prompt_ids"].get<std::vector<int32_t>>());
+  return prompts;
+}
+
+// Greedy one-at-a-time generation, op by op.
+std::vector<std::vector<int32_t>> generate_all(const EngineOptions& eo, SpeculativeMode mode,
+                                               const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
+  setenv("DFLASH_GRAPHS", "0", 1);
+  Engine engine(eo);
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& p : prompts) {
+    GenerateOptions go;
+    go.max_tokens = max_tokens;
+    go.mode = mode;
+    out.push_back(engine.generate(p, go).tokens);
+  }
+  unsetenv("DFLASH_GRAPHS");
+  return out;
+}
+
+// Serving with graphs equals one-at-a-time generation op by op: plain 8 at once, DFlash 2 at once.
+// Products of more than 32 rows (prefill chunks beside decoding rows, wide verifications) go to
+// cuBLASLt, whose rows are not those of the skinny kernel; DFLASH_BATCH_INVARIANT=1 takes the
+// skinny kernel for every row, so that a sequence's tokens cannot depend on its batch.
+TEST_F(CudaEngine, ServingWithGraphsEqualsGenerateOpByOp) {
+  const std::vector<std::vector<int32_t>> prompts = bundled_prompts(8);
   const EngineOptions eo = bundled_pair_on_gpu();
+  setenv("DFLASH_BATCH_INVARIANT", "1", 1);
   for (auto mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
     unsetenv("DFLASH_GRAPHS");
-    ServingOptions so;
-    so.engine = eo;
-    so.mode = mode;
-    so.max_num_seqs = mode == SpeculativeMode::None ? 8 : 1;
-    ServingEngine server(so);
-    std::mutex mu;
-    std::condition_variable cv;
-    std::map<size_t, std::vector<int32_t>> got;
-    size_t finished = 0;
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      for (size_t i = 0; i < prompts.size(); ++i) {
-        RequestParams rp;
-        rp.prompt = prompts[i];
-        rp.max_tokens = 200;
-        server.submit(rp, [&, i](const TokenEvent& e) {
-          std::lock_guard<std::mutex> l(mu);
-          got[i].insert(got[i].end(), e.tokens.begin(), e.tokens.end());
-          if (e.finished) ++finished;
-          cv.notify_all();
-        });
-      }
-    }
-    {
-      std::unique_lock<std::mutex> lk(mu);
-      ASSERT_TRUE(cv.wait_for(lk, std::chrono::minutes(5), [&] { return finished == prompts.size(); }));
-    }
-    const ServingStats st = server.stats();
+    ServingStats st;
+    const auto got = serve_all(eo, mode, mode == SpeculativeMode::None ? 8 : 2, prompts, 200, &st);
     const char* what = mode == SpeculativeMode::None ? "plain" : "dflash";
     EXPECT_GT(st.graph_steps, 0) << what;
     std::printf("[bundled pair] serving %s: %lld of %lld steps replayed graphs\n", what,
                 static_cast<long long>(st.graph_steps), static_cast<long long>(st.n_steps));
-    setenv("DFLASH_GRAPHS", "0", 1);
-    Engine engine(eo);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      GenerateOptions go;
-      go.max_tokens = 200;
-      go.mode = mode;
-      EXPECT_EQ(got[i], engine.generate(prompts[i], go).tokens) << what << ", prompt " << i;
-    }
-    unsetenv("DFLASH_GRAPHS");
+    const auto expected = generate_all(eo, mode, prompts, 200);
+    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], expected[i]) << what << ", prompt " << i;
   }
+  unsetenv("DFLASH_BATCH_INVARIANT");
+}
+
+// DFlash serving of 8 at once (128 verification rows): graphs replay exactly what op-by-op steps
+// compute; by default some prompts differ from one-at-a-time plain generation (cuBLASLt rows; the
+// count is printed), with DFLASH_BATCH_INVARIANT=1 none does.
+TEST_F(CudaEngine, WideDFlashServingEqualsGenerateWhenBatchInvariant) {
+  const std::vector<std::vector<int32_t>> prompts = bundled_prompts(8);
+  const EngineOptions eo = bundled_pair_on_gpu();
+  unsetenv("DFLASH_BATCH_INVARIANT");
+  unsetenv("DFLASH_GRAPHS");
+  ServingStats st;
+  const auto with_graphs = serve_all(eo, SpeculativeMode::DFlash, 8, prompts, 200, &st);
+  EXPECT_GT(st.graph_steps, 0);
+  setenv("DFLASH_GRAPHS", "0", 1);
+  const auto op_by_op = serve_all(eo, SpeculativeMode::DFlash, 8, prompts, 200);
+  unsetenv("DFLASH_GRAPHS");
+  const auto plain = generate_all(eo, SpeculativeMode::None, prompts, 200);
+  int differ = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(with_graphs[i], op_by_op[i]) << "prompt " << i;
+    differ += plain[i] != op_by_op[i];
+  }
+  setenv("DFLASH_BATCH_INVARIANT", "1", 1);
+  const auto invariant = serve_all(eo, SpeculativeMode::DFlash, 8, prompts, 200);
+  const auto plain_invariant = generate_all(eo, SpeculativeMode::None, prompts, 200);
+  unsetenv("DFLASH_BATCH_INVARIANT");
+  int differ_invariant = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(invariant[i], plain_invariant[i]) << "batch-invariant, prompt " << i;
+    differ_invariant += invariant[i] != plain_invariant[i];
+  }
+  std::printf("[bundled pair] DFlash serving 8 at once: %lld of %lld steps replayed graphs; prompts differing from "
+              "plain one-at-a-time generation: %d of %zu by default, %d with DFLASH_BATCH_INVARIANT=1\n",
+              static_cast<long long>(st.graph_steps), static_cast<long long>(st.n_steps), differ, prompts.size(),
+              differ_invariant);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "kernels/backend.h"
 #include "test_util.h"
 #include "util/dtype.h"
+#include "util/error.h"
 
 namespace dflash {
 namespace {
@@ -123,6 +124,22 @@ TEST_F(CudaOps, EmbedAndGatherRowsIntoAColumnSlice) {
     cpu->gather_rows(src.c, rows, dst.c);
     gpu->gather_rows(src.g, rows, dst.g);
     expect_close(dst, "gather float32 into bf16");
+  }
+  {  // rows taking their ids from the device (the draft's argmax feeding verification)
+    auto logits = random(5, 300);
+    Tensor cpu_ids = cpu->alloc_ids(5), gpu_ids = gpu->alloc_ids(5);
+    cpu->argmax_ids(logits.c, cpu_ids);
+    gpu->argmax_ids(logits.g, gpu_ids);
+    ASSERT_EQ(gpu->ids_to_host(gpu_ids), cpu->ids_to_host(cpu_ids));
+    const std::vector<int32_t> rows{36, 1, 2, 20, 0};
+    const DeviceTokens from_c{cpu_ids, rows}, from_g{gpu_ids, rows};
+    auto patched = poisoned_f32(37, 72);
+    cpu->embed(table.c, ids, patched.c, &from_c);
+    gpu->embed(table.g, ids, patched.g, &from_g);
+    expect_close(patched, "embed with device tokens", 0.0);
+    const DeviceTokens too_few{gpu_ids, {1, 2}}, outside{gpu_ids, {36, 1, 2, 37, 0}};
+    EXPECT_THROW(gpu->embed(table.g, ids, patched.g, &too_few), Error);
+    EXPECT_THROW(gpu->embed(table.g, ids, patched.g, &outside), Error);
   }
   Pair wide;  // the columns around the slice must keep their contents
   std::vector<float> zeros(37 * 200, 0.0f);
@@ -316,6 +333,27 @@ TEST_F(CudaOps, ArgmaxIsExactWithTiesToTheLowestIndex) {
           << "cols=" << cols << " from column 3";
     }
   }
+}
+
+// A step body that reassigns a tensor an eager step allocated releases that memory inside the
+// capture; the free waits until the capture ends (a free inside it would break the graph).
+TEST_F(CudaOps, ArgmaxIdsInAGraphWhoseBodyReleasesAnEagerTensor) {
+  auto x = random(6, 4099);
+  const std::vector<int32_t> expected = cpu->argmax_rows(x.c);
+  Tensor ids = gpu->alloc_ids(6);
+  gpu->argmax_ids(x.g, ids);
+  EXPECT_EQ(gpu->ids_to_host(ids), expected);
+  auto graph = gpu->capture_graph([&] {
+    ids = gpu->alloc_ids(6);
+    gpu->argmax_ids(x.g, ids);
+  });
+  for (int rep = 0; rep < 2; ++rep) {
+    gpu->replay_graph(graph);
+    EXPECT_EQ(gpu->ids_to_host(ids), expected);
+  }
+  Tensor after = gpu->alloc_ids(3);  // the stream still works eagerly
+  gpu->argmax_ids(x.g.slice_rows(2, 3), after);
+  EXPECT_EQ(gpu->ids_to_host(after), std::vector<int32_t>(expected.begin() + 2, expected.begin() + 5));
 }
 
 TEST_F(CudaOps, TopCandidatesEqualTheHostSelection) {

@@ -50,6 +50,12 @@ void run_dflash(DecodeContext& ctx) {
   st.prefill_ms = ms_since(t0);
   ctx.emit(seq.pending);
 
+  // Greedy and match-scheme drafts are the draft's argmax: they stay on the device, and the
+  // draft and the verification run as one step (one graph), with one copy back of the drafted
+  // tokens and the target's argmax. Rejection-scheme drafts are sampled on the host in between.
+  const bool greedy = ctx.opts.sampling.greedy();
+  const bool draft_on_device = greedy || ctx.opts.spec_sampling == SpecSampling::Match;
+  const SamplingParams* sp = &ctx.opts.sampling;
   auto t1 = Clock::now();
   while (!ctx.done) {
     const int32_t s = seq.n_cached;
@@ -62,28 +68,17 @@ void run_dflash(DecodeContext& ctx) {
     reserve_or_throw(ctx.target_pages, seq.target_pages, s + B);
     reserve_or_throw(*ctx.draft_pages, seq.draft_pages, s + B);
 
-    // Draft: block [t_s, M, ..., M] at positions s..s+B-1, bidirectional.
-    auto td = Clock::now();
+    // Draft: block [t_s, M, ..., M] at positions s..s+B-1, bidirectional. Verify: the target over
+    // [t_s, d_1..d_{B-1}], causal, capturing features. With graphs the step keeps one shape: the
+    // draft context of all B rows is projected in the same graph (rows past the accepted ones are
+    // rewritten by the next step before any draft reads them).
     std::vector<int32_t> block(static_cast<size_t>(B), dc.mask_token_id);
     block[0] = seq.pending;
-    const SamplingParams* sp = &ctx.opts.sampling;
-    DraftChoice draft;
+    ForwardBatch db(ctx.draft_pages->page_size());
     if (B > 1) {
-      ForwardBatch db(ctx.draft_pages->page_size());
       db.add_sequence(block, s, seq.draft_pages, /*causal=*/false);
       for (int i = 1; i < B; ++i) db.logit_rows.push_back(i);
-      Tensor logits;
-      ctx.run_step("draft", db, [&] { logits = ctx.draft->forward_block(db, *ctx.draft_cache); });
-      draft = std::move(choose_draft_tokens(ctx.be, logits, {{sp, 0, B - 1, s + 1}}, ctx.opts.spec_sampling)[0]);
     }
-    const std::vector<int32_t>& drafted = draft.tokens;
-    st.draft_ms += ms_since(td);
-
-    // Verify: target over [t_s, d_1..d_{B-1}], causal, capturing features. With graphs the
-    // step keeps one shape: the draft context of all B rows is projected in the same graph (rows
-    // past the accepted ones are rewritten by the next step before any draft reads them).
-    auto tv = Clock::now();
-    std::copy(drafted.begin(), drafted.end(), block.begin() + 1);
     ForwardBatch vb(page_size);
     vb.add_sequence(block, s, seq.target_pages);
     for (int i = 0; i < B; ++i) vb.logit_rows.push_back(i);
@@ -94,13 +89,47 @@ void run_dflash(DecodeContext& ctx) {
       pb.add_sequence(std::vector<int32_t>(static_cast<size_t>(B), 0), s, seq.draft_pages);
     }
     Tensor logits, captured;
-    ctx.run_step("verify", vb, [&] {
+    auto verify = [&] {
       auto o = ctx.target.forward(vb, ctx.target_cache, layer_ids);
       logits = o.logits;
       captured = o.captured;
       if (project_all) ctx.draft->project_context(o.captured, pb, *ctx.draft_cache);
-    });
-    const BlockResult verdict = verify_blocks(ctx.be, logits, {{sp, 0, s + 1, &draft}}, ctx.opts.spec_sampling)[0];
+    };
+    DraftChoice draft;
+    std::vector<int32_t> argmax;  // the target's, when greedy
+    const auto td = Clock::now();
+    auto tv = td;
+    if (draft_on_device) {
+      Tensor ids;  // d_1..d_{B-1}, then the target's argmax of the B rows
+      ctx.run_step("dflash", {&db, &vb}, [&] {
+        ids = ctx.be.alloc_ids(2 * B - 1);
+        if (B > 1) {
+          Tensor drafted = ids.slice_rows(0, B - 1);
+          ctx.be.argmax_ids(ctx.draft->forward_block(db, *ctx.draft_cache), drafted);
+          vb.from_device = {drafted, std::vector<int32_t>(vb.logit_rows.begin() + 1, vb.logit_rows.end())};
+        }
+        verify();
+        Tensor target_argmax = ids.slice_rows(B - 1, B);
+        if (greedy) ctx.be.argmax_ids(logits, target_argmax);
+      });
+      const std::vector<int32_t> host = ctx.be.ids_to_host(greedy ? ids : ids.slice_rows(0, B - 1));
+      draft.tokens.assign(host.begin(), host.begin() + B - 1);
+      if (greedy) argmax.assign(host.begin() + B - 1, host.end());
+    } else {
+      if (B > 1) {
+        Tensor draft_logits;
+        ctx.run_step("draft", {&db}, [&] { draft_logits = ctx.draft->forward_block(db, *ctx.draft_cache); });
+        draft = std::move(choose_draft_tokens(ctx.be, draft_logits, {{sp, 0, B - 1, s + 1}}, ctx.opts.spec_sampling)[0]);
+      }
+      st.draft_ms += ms_since(td);
+      tv = Clock::now();
+      std::copy(draft.tokens.begin(), draft.tokens.end(), vb.token_ids.begin() + 1);
+      ctx.run_step("verify", {&vb}, verify);
+    }
+    std::copy(draft.tokens.begin(), draft.tokens.end(), block.begin() + 1);
+    const std::vector<int32_t>& drafted = draft.tokens;
+    const BlockResult verdict = verify_blocks(ctx.be, logits, {{sp, 0, s + 1, &draft}}, ctx.opts.spec_sampling,
+                                              greedy ? &argmax : nullptr)[0];
     const int a = verdict.accepted;
     st.verify_ms += ms_since(tv);
 

@@ -53,6 +53,8 @@ struct GenerationStats {
   int block_size = 1;                  // 1 for plain decoding
   std::vector<int> acceptance_histogram;  // [i] = steps that produced i+1 tokens
   double tau = 1.0;                    // mean acceptance length
+  // draft_ms: drafts run apart from verification (rejection sampling); other drafts run in one
+  // step with their verification, whose time verify_ms counts.
   double prefill_ms = 0, decode_ms = 0, draft_ms = 0, verify_ms = 0, total_ms = 0;
   int64_t graph_replays = 0, graph_captures = 0;  // decoding forwards run as CUDA-graph replays, and captures
   double graph_capture_ms = 0;                    // within decode_ms: capturing those graphs

@@ -17,13 +17,16 @@ bool DecodeContext::emit(int32_t token) {
   return done;
 }
 
-int32_t DecodeContext::pick(const Tensor& logits, int64_t position) {
-  return verify_blocks(be, logits, {{&opts.sampling, 0, position, nullptr}}, opts.spec_sampling)[0].next;
+int32_t DecodeContext::pick(const Tensor& logits, int64_t position, const Tensor* argmax) {
+  const std::vector<int32_t> known = argmax ? be.ids_to_host(*argmax) : std::vector<int32_t>{};
+  return verify_blocks(be, logits, {{&opts.sampling, 0, position, nullptr}}, opts.spec_sampling,
+                       argmax ? &known : nullptr)[0].next;
 }
 
-void DecodeContext::run_step(const char* kind, ForwardBatch& batch, const std::function<void()>& body) {
+void DecodeContext::run_step(const char* kind, std::initializer_list<ForwardBatch*> batches,
+                             const std::function<void()>& body) {
   if (!graphs || !graphs->on()) return body();
-  graphs->run(StepGraphs::shape_key(kind, batch), body);
+  graphs->run(StepGraphs::shape_key(kind, batches), body);
 }
 
 void reserve_or_throw(PagePool& pages, std::vector<int32_t>& table, int64_t n_positions) {
@@ -57,11 +60,18 @@ void run_plain(DecodeContext& ctx) {
     ForwardBatch step(page_size);
     step.add_sequence({seq.pending}, seq.n_cached, seq.target_pages);
     step.logit_rows = {0};
-    Tensor logits;
-    ctx.run_step("plain", step, [&] { logits = ctx.target.forward(step, ctx.target_cache).logits; });
+    // Greedy steps take their token's argmax inside the step (one copy back, no separate launch).
+    const bool greedy = ctx.opts.sampling.greedy();
+    Tensor logits, argmax;
+    ctx.run_step("plain", {&step}, [&] {
+      logits = ctx.target.forward(step, ctx.target_cache).logits;
+      if (!greedy) return;
+      argmax = ctx.be.alloc_ids(1);
+      ctx.be.argmax_ids(logits, argmax);
+    });
     seq.tokens.push_back(seq.pending);
     seq.n_cached += 1;
-    seq.pending = ctx.pick(logits, seq.n_cached);
+    seq.pending = ctx.pick(logits, seq.n_cached, greedy ? &argmax : nullptr);
     st.n_steps += 1;
     ctx.emit(seq.pending);
   }

@@ -43,14 +43,14 @@ struct DecodeContext {
   // Appends a generated token; true when generation must stop after it.
   bool emit(int32_t token);
   // The target's token choice (greedy or sampled) from one logits row, for the
-  // token at `position`.
-  int32_t pick(const Tensor& logits, int64_t position);
+  // token at `position`; `argmax`: the row's argmax on the device when the step computed it.
+  int32_t pick(const Tensor& logits, int64_t position, const Tensor* argmax = nullptr);
   bool done = false;
   StepGraphs* graphs = nullptr;        // decoding forwards as graph replays (when on)
 
-  // Runs a decoding forward over `batch` (body reads it): through graphs, under
-  // StepGraphs::shape_key(kind, batch), or eagerly.
-  void run_step(const char* kind, ForwardBatch& batch, const std::function<void()>& body);
+  // Runs a decoding step's forwards over `batches` (body reads them): through graphs, under
+  // StepGraphs::shape_key(kind, batches), or eagerly.
+  void run_step(const char* kind, std::initializer_list<ForwardBatch*> batches, const std::function<void()>& body);
 };
 
 using Clock = std::chrono::steady_clock;

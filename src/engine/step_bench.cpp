@@ -200,22 +200,29 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       ForwardBatch plain(o.page_size);
       for (int b = 0; b < batch; ++b) plain.add_sequence({static_cast<int32_t>(b % tc.n_vocab)}, ctx, bt.tables[b]);
       for (int r = 0; r < batch; ++r) plain.logit_rows.push_back(r);
-      const double plain_eager = time_steps([&] { be->argmax_rows(target.forward(plain, tcache).logits); });
+      // As the decoders run it: the argmax is taken in the step, one copy of the ids back.
+      Tensor plain_ids;
+      auto plain_body = [&] {
+        plain_ids = be->alloc_ids(batch);
+        be->argmax_ids(target.forward(plain, tcache).logits, plain_ids);
+      };
+      const double plain_eager = time_steps([&] {
+        plain_body();
+        be->ids_to_host(plain_ids);
+      });
       double plain_ms = plain_eager, plain_restaged = 0, plain_restage_us = 0;
       if (be->supports_graphs()) {
-        Tensor logits;
-        auto body = [&] { logits = target.forward(plain, tcache).logits; };
-        auto g = be->capture_graph(body);
+        auto g = be->capture_graph(plain_body);
         plain_ms = time_steps([&] {
           be->replay_graph(g);
-          be->argmax_rows(logits);
+          be->ids_to_host(plain_ids);
         });
         plain_restaged = time_steps([&] {
-          check(be->restage_graph(g, body), "bench-step: the plain step no longer matches its graph");
+          check(be->restage_graph(g, plain_body), "bench-step: the plain step no longer matches its graph");
           be->replay_graph(g);
-          be->argmax_rows(logits);
+          be->ids_to_host(plain_ids);
         });
-        plain_restage_us = 1e3 * time_steps([&] { be->restage_graph(g, body); });
+        plain_restage_us = 1e3 * time_steps([&] { be->restage_graph(g, plain_body); });
       }
       add_row("plain", plain_ms, plain_eager,
               target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype), plain_restaged,
@@ -235,42 +242,40 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         for (int i = 0; i < B; ++i) verify.logit_rows.push_back(vfirst + i);
         project.add_sequence(std::vector<int32_t>(static_cast<size_t>(B), 0), ctx, bt.tables[b]);
       }
-      const double dflash_eager = time_steps([&] {
-        be->argmax_rows(draft->forward_block(dblock, dcache));
+      // As the decoders run it: one step whose drafted tokens (the draft's argmax) feed the
+      // verification on the device, the target's argmax taken in the step, one copy back of both.
+      std::vector<int32_t> drafted_rows;
+      for (int32_t r : verify.logit_rows)
+        if (r % B != 0) drafted_rows.push_back(r);
+      const auto n_drafted = static_cast<int64_t>(dblock.logit_rows.size());
+      const auto n_verified = static_cast<int64_t>(verify.logit_rows.size());
+      Tensor dflash_ids;
+      auto dflash_body = [&] {
+        dflash_ids = be->alloc_ids(n_drafted + n_verified);
+        Tensor drafted = dflash_ids.slice_rows(0, n_drafted), argmax = dflash_ids.slice_rows(n_drafted, n_verified);
+        be->argmax_ids(draft->forward_block(dblock, dcache), drafted);
+        verify.from_device = {drafted, drafted_rows};
         auto out = target.forward(verify, tcache, layer_ids);
-        be->argmax_rows(out.logits);
+        be->argmax_ids(out.logits, argmax);
         draft->project_context(out.captured, project, dcache);
+      };
+      const double dflash_eager = time_steps([&] {
+        dflash_body();
+        be->ids_to_host(dflash_ids);
       });
       double dflash_ms = dflash_eager, dflash_restaged = 0, dflash_restage_us = 0;
       if (be->supports_graphs()) {
-        // Two graphs with the drafted tokens' argmax between them, as the decoder runs today.
-        Tensor draft_logits, verify_logits;
-        auto draft_body = [&] { draft_logits = draft->forward_block(dblock, dcache); };
-        auto verify_body = [&] {
-          auto out = target.forward(verify, tcache, layer_ids);
-          verify_logits = out.logits;
-          draft->project_context(out.captured, project, dcache);
-        };
-        auto g_draft = be->capture_graph(draft_body);
-        auto g_verify = be->capture_graph(verify_body);
+        auto g = be->capture_graph(dflash_body);
         dflash_ms = time_steps([&] {
-          be->replay_graph(g_draft);
-          be->argmax_rows(draft_logits);
-          be->replay_graph(g_verify);
-          be->argmax_rows(verify_logits);
+          be->replay_graph(g);
+          be->ids_to_host(dflash_ids);
         });
         dflash_restaged = time_steps([&] {
-          check(be->restage_graph(g_draft, draft_body), "bench-step: the draft no longer matches its graph");
-          be->replay_graph(g_draft);
-          be->argmax_rows(draft_logits);
-          check(be->restage_graph(g_verify, verify_body), "bench-step: the verification no longer matches its graph");
-          be->replay_graph(g_verify);
-          be->argmax_rows(verify_logits);
+          check(be->restage_graph(g, dflash_body), "bench-step: the DFlash step no longer matches its graph");
+          be->replay_graph(g);
+          be->ids_to_host(dflash_ids);
         });
-        dflash_restage_us = 1e3 * time_steps([&] {
-          be->restage_graph(g_draft, draft_body);
-          be->restage_graph(g_verify, verify_body);
-        });
+        dflash_restage_us = 1e3 * time_steps([&] { be->restage_graph(g, dflash_body); });
       }
       const int64_t dflash_bytes = target.weight_bytes_per_step() + draft->weight_bytes_per_step() +
                                    batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +

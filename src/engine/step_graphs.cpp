@@ -13,12 +13,17 @@ StepGraphs::StepGraphs(Backend& be, size_t max_graphs, int capture_after)
     : be_(be), on_(be.supports_graphs() && std::string(std::getenv("DFLASH_GRAPHS") ? std::getenv("DFLASH_GRAPHS") : "") != "0"),
       max_graphs_(max_graphs), capture_after_(capture_after) {}
 
-std::string StepGraphs::shape_key(const char* kind, ForwardBatch& batch) {
+std::string StepGraphs::shape_key(const char* kind, std::initializer_list<ForwardBatch*> batches) {
   int32_t keys = 0;
-  for (const auto& seg : batch.segments) keys = std::max(keys, seg.n_keys);
+  for (const ForwardBatch* b : batches)
+    for (const auto& seg : b->segments) keys = std::max(keys, seg.n_keys);
   const int32_t capacity = key_capacity(keys);
-  batch.set_key_capacity(capacity);
-  return cat(kind, ": ", batch.segments.size(), " sequences, ", batch.n_rows(), " rows, ", capacity, " keys");
+  std::string key = kind;
+  for (ForwardBatch* b : batches) {
+    b->set_key_capacity(capacity);
+    key += cat(": ", b->segments.size(), " sequences, ", b->n_rows(), " rows");
+  }
+  return cat(key, ", ", capacity, " keys");
 }
 
 void StepGraphs::run(const std::string& key, const std::function<void()>& body) {

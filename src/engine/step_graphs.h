@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <list>
 #include <memory>
 #include <string>
@@ -34,9 +35,9 @@ class StepGraphs {
   static constexpr int32_t kKeyGranule = 256;
   static int32_t key_capacity(int32_t n_keys) { return (n_keys + kKeyGranule - 1) / kKeyGranule * kKeyGranule; }
 
-  // Sizes the batch's attention for the key capacity of its longest sequence and returns the
-  // key of a step part (`kind`, e.g. "verify") over it.
-  static std::string shape_key(const char* kind, ForwardBatch& batch);
+  // Sizes the batches' attention for the key capacity of their longest sequence and returns the
+  // key of a step (`kind`, e.g. "verify") over them (a DFlash step: its draft and verification).
+  static std::string shape_key(const char* kind, std::initializer_list<ForwardBatch*> batches);
 
   // Runs body once: as a replay of the graph of `key` (captured now if there is none), or
   // eagerly when graphs are off. Tensors the body assigns stay valid until the next run.

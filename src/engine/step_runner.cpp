@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <initializer_list>
 #include <string>
 
 #include "engine/verification.h"
@@ -44,17 +45,24 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
   const int64_t replays_before = graphs_.replays();
   for (const ServeSeq* s : plan.decodes)
     graphed = graphed && sched.rows_for(*s) == block_ && (!spec_ || s->n_draft_ctx == s->n_cached);
-  auto run_forward = [&](const char* kind, ForwardBatch& b, const std::function<void()>& body) {
-    if (graphed) graphs_.run(StepGraphs::shape_key(kind, b), body);
+  auto run_forward = [&](const char* kind, std::initializer_list<ForwardBatch*> batches,
+                         const std::function<void()>& body) {
+    if (graphed) graphs_.run(StepGraphs::shape_key(kind, batches), body);
     else body();
   };
+  // Greedy and match-scheme drafts are the draft's argmax: they stay on the device, and the
+  // draft forward and the target forward run as one step (one graph when graphed).
+  // Rejection-scheme drafts of sampled sequences are sampled on the host in between.
+  bool draft_on_device = true;
+  for (const ServeSeq* s : plan.decodes)
+    draft_on_device = draft_on_device && (scheme_ == SpecSampling::Match || s->sampling.greedy());
 
   // 1. Draft blocks [t, M, ..., M] for the decoding sequences (DFlash only).
   std::vector<DraftChoice> drafted(plan.decodes.size());
+  ForwardBatch db(page_size);
+  std::vector<size_t> who;  // decoding sequences with a draft, in draft-row order
+  std::vector<DraftRows> rows;
   if (spec_) {
-    ForwardBatch db(page_size);
-    std::vector<size_t> who;
-    std::vector<DraftRows> rows;
     for (size_t i = 0; i < plan.decodes.size(); ++i) {
       const ServeSeq& s = *plan.decodes[i];
       const int B = sched.rows_for(s);
@@ -66,9 +74,9 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
       for (int j = 1; j < B; ++j) db.logit_rows.push_back(first + j);
       who.push_back(i);
     }
-    if (!who.empty()) {
+    if (!who.empty() && !draft_on_device) {
       Tensor logits;
-      run_forward("draft", db, [&] { logits = m_.draft->forward_block(db, draft_cache_); });
+      run_forward("draft", {&db}, [&] { logits = m_.draft->forward_block(db, draft_cache_); });
       auto choices = choose_draft_tokens(*m_.be, logits, rows, scheme_);
       for (size_t k = 0; k < who.size(); ++k) drafted[who[k]] = std::move(choices[k]);
     }
@@ -89,12 +97,19 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
       tb.logit_rows.push_back(first + p.n_tokens - 1);
     }
   }
+  std::vector<int32_t> device_rows;  // target rows whose tokens are the draft's argmax, in draft-row order
+  size_t next_drafted = 0;
   for (size_t i = 0; i < plan.decodes.size(); ++i) {
     const ServeSeq& s = *plan.decodes[i];
+    const bool has_draft = next_drafted < who.size() && who[next_drafted] == i;
+    const int n_drafted = has_draft ? rows[next_drafted++].n : 0;
     std::vector<int32_t> block{s.pending};
-    block.insert(block.end(), drafted[i].tokens.begin(), drafted[i].tokens.end());
+    if (!draft_on_device) block.insert(block.end(), drafted[i].tokens.begin(), drafted[i].tokens.end());
+    else if (n_drafted > 0) block.resize(static_cast<size_t>(1 + n_drafted), m_.draft->config().mask_token_id);
     const int32_t first = tb.add_sequence(block, s.n_cached, s.pages);
     first_rows.push_back(first);
+    if (draft_on_device)
+      for (int j = 1; j <= n_drafted; ++j) device_rows.push_back(first + j);
     blocks.push_back({&s.sampling, static_cast<int32_t>(tb.logit_rows.size()), s.n_cached + 1, &drafted[i]});
     for (size_t j = 0; j < block.size(); ++j) tb.logit_rows.push_back(first + static_cast<int32_t>(j));
   }
@@ -104,14 +119,34 @@ std::vector<SeqOutput> StepRunner::run(const StepPlan& plan, const Scheduler& sc
   if (graphed && spec_)
     for (const ServeSeq* s : plan.decodes)
       all_rows.add_sequence(std::vector<int32_t>(static_cast<size_t>(block_), 0), s->n_cached, s->pages);
-  Tensor logits, captured;
-  run_forward(spec_ ? "verify" : "plain", tb, [&] {
+  // The step's token ids on the device: the drafted tokens (when drafted there), then the target's
+  // argmax of its logits rows; one copy back for both.
+  const int64_t n_device_drafts = draft_on_device ? static_cast<int64_t>(device_rows.size()) : 0;
+  const auto n_logits = static_cast<int64_t>(tb.logit_rows.size());
+  Tensor logits, captured, ids;
+  auto body = [&] {
+    ids = m_.be->alloc_ids(n_device_drafts + n_logits);
+    if (n_device_drafts > 0) {
+      Tensor d = ids.slice_rows(0, n_device_drafts);
+      m_.be->argmax_ids(m_.draft->forward_block(db, draft_cache_), d);
+      tb.from_device = {d, device_rows};
+    }
     auto out = m_.target->forward(tb, target_cache_, spec_ ? m_.draft->config().target_layer_ids : no_capture);
     logits = out.logits;
     captured = out.captured;
     if (graphed && spec_) m_.draft->project_context(out.captured, all_rows, draft_cache_);
-  });
-  const std::vector<BlockResult> results = verify_blocks(*m_.be, logits, blocks, scheme_);
+    Tensor a = ids.slice_rows(n_device_drafts, n_logits);
+    m_.be->argmax_ids(logits, a);
+  };
+  if (n_device_drafts > 0) run_forward("dflash", {&db, &tb}, body);
+  else run_forward(spec_ ? "verify" : "plain", {&tb}, body);
+  const std::vector<int32_t> host_ids = m_.be->ids_to_host(ids);
+  for (size_t k = 0; k < who.size() && n_device_drafts > 0; ++k) {
+    const DraftRows& r = rows[k];
+    drafted[who[k]].tokens.assign(host_ids.begin() + r.first_row, host_ids.begin() + r.first_row + r.n);
+  }
+  const std::vector<int32_t> argmax(host_ids.begin() + n_device_drafts, host_ids.end());
+  const std::vector<BlockResult> results = verify_blocks(*m_.be, logits, blocks, scheme_, &argmax);
 
   // 3. Commit: prefill progress, acceptance per sequence; rows to project into the draft context.
   ForwardBatch pb(page_size);

@@ -66,7 +66,7 @@ std::vector<DraftChoice> choose_draft_tokens(Backend& be, const Tensor& logits, 
 }
 
 std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const std::vector<VerifyBlock>& blocks,
-                                       SpecSampling scheme) {
+                                       SpecSampling scheme, const std::vector<int32_t>* known_argmax) {
   auto n_drafted = [](const VerifyBlock& b) { return b.draft ? static_cast<int>(b.draft->tokens.size()) : 0; };
   std::vector<int32_t> rows;
   std::vector<const SamplingParams*> params;
@@ -84,7 +84,10 @@ std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const 
       params.push_back(b.params);
     }
   }
-  const std::vector<int32_t> argmax = need_argmax ? be.argmax_rows(logits) : std::vector<int32_t>{};
+  check(!known_argmax || static_cast<int64_t>(known_argmax->size()) == logits.rows,
+        "internal: the step's argmax has ", known_argmax ? known_argmax->size() : 0, " rows, its logits ", logits.rows);
+  const std::vector<int32_t> argmax =
+      known_argmax ? *known_argmax : need_argmax ? be.argmax_rows(logits) : std::vector<int32_t>{};
   const CandidateRows cands(be, logits, rows, params);
 
   std::vector<BlockResult> out(blocks.size());

@@ -42,7 +42,8 @@ struct BlockResult {
   int32_t next = -1;   // the new pending token
 };
 
+// `argmax`: the logits rows' argmax when the step computed it already (one per row), else null.
 std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const std::vector<VerifyBlock>& blocks,
-                                       SpecSampling scheme);
+                                       SpecSampling scheme, const std::vector<int32_t>* argmax = nullptr);
 
 }  // namespace dflash

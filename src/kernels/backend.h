@@ -44,6 +44,14 @@ struct AttentionParams {
   int page_size = 0;
 };
 
+// Token ids that live on the device (an I32 tensor of one column, e.g. the draft's argmax): row
+// rows[i] of an embedding takes ids[i] instead of its host id, so that a forward can feed the next
+// one without a trip to the host.
+struct DeviceTokens {
+  Tensor ids;
+  std::vector<int32_t> rows;
+};
+
 // The normalized input of a layer's product: with delta, residual_out = residual + delta and
 // h = rmsnorm(residual_out) * weight (residual_out must not be residual: a fused product reads
 // one while it writes the other); without, h = rmsnorm(residual) * weight.
@@ -107,8 +115,10 @@ class Backend {
   // Fills t with uniform random values in [-scale, scale) (benchmarks: caches that are not all zeros).
   virtual void fill_random(Tensor& t, uint64_t seed, float scale) = 0;
 
-  // out[r] = table[ids[r]]
-  virtual void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out) = 0;
+  // out[r] = table[ids[r]], where rows listed in `from_device` take their ids from it instead.
+  // Device ids outside the table (only a bug could make them) read row 0.
+  virtual void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out,
+                     const DeviceTokens* from_device = nullptr) = 0;
   // out = x * w^T (+ bias broadcast over rows)
   virtual void matmul(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) = 0;
   // out = rmsnorm(x) * weight, per row
@@ -178,6 +188,11 @@ class Backend {
   virtual void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) = 0;
   // Index of the largest value per row (first on ties).
   virtual std::vector<int32_t> argmax_rows(const Tensor& x) = 0;
+  // Token ids on the device: alloc_ids gives an I32 tensor [n, 1]; argmax_ids queues
+  // ids[r] = argmax_rows(x)[r] (no synchronization: capturable); ids_to_host copies them back.
+  virtual Tensor alloc_ids(int64_t n) = 0;
+  virtual void argmax_ids(const Tensor& x, Tensor& ids) = 0;
+  virtual std::vector<int32_t> ids_to_host(const Tensor& ids) = 0;
   // Per listed row i of `logits`: select_top_candidates(row rows[i], temperature[i] (> 0),
   // top_k[i]) (kernels/top_candidates.h). Checks the arguments, then select_candidates.
   std::vector<TopCandidates> top_candidates(const Tensor& logits, const std::vector<int32_t>& rows,

@@ -58,7 +58,7 @@ void DraftModel::project_context(const Tensor& features, const ForwardBatch& bat
 Tensor DraftModel::forward_block(const ForwardBatch& batch, KvCache& cache) {
   const ModelConfig& c = cfg_.layers;
   Tensor x = be_.alloc_f32(batch.n_rows(), c.n_embd);  // the residual stream, float32
-  be_.embed(target_.weights().embed, batch.token_ids, x);
+  be_.embed(target_.weights().embed, batch.token_ids, x, batch.device_tokens());
   StackInputs in;
   in.positions = &batch.positions;
   in.kv_slots = &batch.kv_slots;

@@ -19,6 +19,10 @@ struct ForwardBatch {
   std::vector<int32_t> kv_slots;    // physical cache slot per row
   std::vector<AttentionSegment> segments;
   std::vector<int32_t> logit_rows;  // rows whose logits are wanted, in output order
+  // Rows whose tokens are on the device (e.g. drafted by the forward before): their token_ids
+  // entries are placeholders. Empty ids: none.
+  DeviceTokens from_device;
+  const DeviceTokens* device_tokens() const { return from_device.ids.empty() ? nullptr : &from_device; }
 
   explicit ForwardBatch(int page_size_) : page_size(page_size_) {}
 

@@ -44,7 +44,7 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
   const int64_t n = batch.n_rows();
   Output out;
   Tensor x = be_.alloc_f32(n, cfg_.n_embd);  // the residual stream, float32
-  be_.embed(w_.embed, batch.token_ids, x);
+  be_.embed(w_.embed, batch.token_ids, x, batch.device_tokens());
   StackInputs in;
   in.positions = &batch.positions;
   in.kv_slots = &batch.kv_slots;

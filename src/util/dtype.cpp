@@ -9,6 +9,7 @@ size_t dtype_size(DType t) {
     case DType::F32: return 4;
     case DType::F16: return 2;
     case DType::BF16: return 2;
+    case DType::I32: return 4;
   }
   return 0;
 }
@@ -18,6 +19,7 @@ const char* dtype_name(DType t) {
     case DType::F32: return "F32";
     case DType::F16: return "F16";
     case DType::BF16: return "BF16";
+    case DType::I32: return "I32";
   }
   return "?";
 }
@@ -54,6 +56,13 @@ void convert_to_f32(DType t, const void* src, float* dst, size_t n) {
         uint16_t h;
         std::memcpy(&h, bytes + 2 * i, 2);
         dst[i] = t == DType::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+      }
+      return;
+    case DType::I32:
+      for (size_t i = 0; i < n; ++i) {
+        int32_t v;
+        std::memcpy(&v, bytes + 4 * i, 4);
+        dst[i] = static_cast<float>(v);
       }
       return;
   }

@@ -9,7 +9,8 @@
 
 namespace dflash {
 
-enum class DType { F32, F16, BF16 };
+// I32: token ids kept on a device (never a checkpoint tensor's type: parse_dtype rejects it).
+enum class DType { F32, F16, BF16, I32 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);                          // safetensors spelling: "F32", ...

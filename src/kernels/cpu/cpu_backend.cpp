@@ -116,12 +116,21 @@ class CpuBackend final : public Backend {
       for (int64_t c = 0; c < t.cols; ++c) t.row_f32(r)[c] = d(rng);
   }
 
-  void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out) override {
+  void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out,
+             const DeviceTokens* from_device) override {
     require_f32(table, "embedding table");
     for (size_t r = 0; r < ids.size(); ++r) {
       check(ids[r] >= 0 && ids[r] < table.rows, "token id ", ids[r], " is outside the vocabulary (0..",
             table.rows - 1, ")");
       std::memcpy(out.row_f32(static_cast<int64_t>(r)), table.row_f32(ids[r]), sizeof(float) * table.cols);
+    }
+    if (!from_device) return;
+    const std::vector<int32_t> dev = ids_to_host(from_device->ids);
+    check(dev.size() == from_device->rows.size(), "cpu backend: device tokens and their rows differ in number");
+    for (size_t i = 0; i < dev.size(); ++i) {
+      const int32_t r = from_device->rows[i], id = dev[i] >= 0 && dev[i] < table.rows ? dev[i] : 0;
+      check(r >= 0 && r < static_cast<int32_t>(ids.size()), "cpu backend: device token row out of range");
+      std::memcpy(out.row_f32(r), table.row_f32(id), sizeof(float) * table.cols);
     }
   }
 
@@ -273,6 +282,25 @@ class CpuBackend final : public Backend {
       const float* v = x.row_f32(r);
       out[r] = static_cast<int32_t>(std::max_element(v, v + x.cols) - v);
     }
+    return out;
+  }
+
+  Tensor alloc_ids(int64_t n) override {
+    Tensor t = alloc(n, 1);  // float storage of the same size
+    t.dtype = DType::I32;
+    return t;
+  }
+
+  void argmax_ids(const Tensor& x, Tensor& ids) override {
+    check(ids.dtype == DType::I32 && ids.rows == x.rows, "cpu backend: argmax_ids needs an I32 tensor of x's rows");
+    const std::vector<int32_t> a = argmax_rows(x);
+    for (int64_t r = 0; r < ids.rows; ++r) static_cast<int32_t*>(ids.data)[r * ids.stride] = a[r];
+  }
+
+  std::vector<int32_t> ids_to_host(const Tensor& ids) override {
+    check(ids.dtype == DType::I32 && ids.cols == 1, "cpu backend: ids_to_host needs an I32 tensor of one column");
+    std::vector<int32_t> out(static_cast<size_t>(ids.rows));
+    for (int64_t r = 0; r < ids.rows; ++r) out[r] = static_cast<const int32_t*>(ids.data)[r * ids.stride];
     return out;
   }
 };

@@ -30,6 +30,11 @@ cuda::Rows rows_of(const Tensor& t) { return {t.data, t.rows, t.cols, t.stride, 
 
 bool residual_dtype(const Tensor& t) { return t.dtype == DType::F32 || t.dtype == DType::BF16; }
 
+void require_ids(const Tensor& t, const char* what) {
+  check(t.dtype == DType::I32 && t.cols == 1 && t.stride == 1 && !t.empty(), "cuda backend: ", what,
+        " must be a contiguous I32 tensor of one column");
+}
+
 void require_bf16(const Tensor& t, const char* what) {
   check(t.dtype == DType::BF16 && !t.empty(), "cuda backend: ", what, " must be a non-empty BF16 tensor");
 }
@@ -39,6 +44,20 @@ struct StreamOwner {
   cudaStream_t stream = nullptr;
   StreamOwner() { CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
   ~StreamOwner() { cudaStreamDestroy(stream); }
+  // A tensor released while the stream is captured (a step body reassigning a tensor that an
+  // eager step allocated) is freed after the capture: a free queued inside it would become a
+  // graph node for memory the graph does not own.
+  bool capturing = false;
+  std::vector<void*> deferred;
+  void free(void* p) {
+    if (capturing) deferred.push_back(p);
+    else cudaFreeAsync(p, stream);
+  }
+  void end_capture() {
+    capturing = false;
+    for (void* p : deferred) cudaFreeAsync(p, stream);
+    deferred.clear();
+  }
 };
 
 class StagingRing {
@@ -171,6 +190,7 @@ class CudaBackend final : public Backend {
     capture_ws_ = nullptr;
     capture_ws_bytes_ = 0;
     CUDA_CHECK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeRelaxed));
+    owner_->capturing = true;
     cudaGraph_t graph = nullptr;
     auto end_capture = [&] {
       capturing_ = false;
@@ -182,12 +202,15 @@ class CudaBackend final : public Backend {
       body();
     } catch (...) {
       cudaStreamEndCapture(s_, &graph);
+      owner_->end_capture();
       if (graph) cudaGraphDestroy(graph);
       end_capture();
       throw;
     }
     end_capture();
-    CUDA_CHECK(cudaStreamEndCapture(s_, &graph));
+    const cudaError_t ended = cudaStreamEndCapture(s_, &graph);
+    owner_->end_capture();
+    CUDA_CHECK(ended);
     std::unique_ptr<CUgraph_st, decltype(&cudaGraphDestroy)> owned(graph, &cudaGraphDestroy);
     if (g->ring->used() > 0) copy_ring_first(graph, *g->ring);
     CUDA_CHECK(cudaGraphInstantiate(&g->exec, graph, 0));
@@ -285,7 +308,7 @@ class CudaBackend final : public Backend {
     }
     auto owner = owner_;
     Tensor tns;
-    tns.storage = std::shared_ptr<void>(p, [owner](void* q) { cudaFreeAsync(q, owner->stream); });
+    tns.storage = std::shared_ptr<void>(p, [owner](void* q) { owner->free(q); });
     tns.data = p;
     tns.dtype = dt;
     tns.rows = rows;
@@ -370,15 +393,30 @@ class CudaBackend final : public Backend {
     return c;
   }
 
-  void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out) override {
+  void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out,
+             const DeviceTokens* from_device) override {
     require_bf16(table, "embedding table");
     for (int32_t id : ids) {
       check(id >= 0 && id < table.rows, "token id ", id, " is outside the vocabulary (0..", table.rows - 1, ")");
     }
     check(residual_dtype(out), "cuda backend: embed output must be F32 or BF16");
     const int32_t* d_ids = stage(ids);
+    const int32_t* d_map = nullptr;
+    if (from_device) {
+      require_ids(from_device->ids, "device tokens");
+      check(from_device->ids.rows == static_cast<int64_t>(from_device->rows.size()),
+            "cuda backend: device tokens and their rows differ in number");
+      std::vector<int32_t> map(ids.size(), -1);  // row -> index into the device ids
+      for (size_t i = 0; i < from_device->rows.size(); ++i) {
+        const int32_t r = from_device->rows[i];
+        check(r >= 0 && r < static_cast<int32_t>(ids.size()), "cuda backend: device token row out of range");
+        map[static_cast<size_t>(r)] = static_cast<int32_t>(i);
+      }
+      d_map = stage(map);
+    }
     if (skip_launch()) return;
-    cuda::launch_embed(mat(table), d_ids, rows_of(out), s_);
+    cuda::launch_embed(mat(table), d_ids, from_device ? static_cast<const int32_t*>(from_device->ids.data) : nullptr,
+                       d_map, rows_of(out), s_);
     CUDA_CHECK_LAUNCH();
   }
 
@@ -387,12 +425,12 @@ class CudaBackend final : public Backend {
     require_bf16(w, "matmul weight");
     check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "cuda backend: matmul shape mismatch");
     if (skip_launch()) return;
-    if (cuda::skinny_gemm_supported(mat(x), mat(w), mat(out))) {
-      cuda::launch_skinny_gemm(mat(x), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
-                               props_.multiProcessorCount, s_);
-      CUDA_CHECK_LAUNCH();
+    if (in_skinny_slices(x, w, out, [&](const Tensor& xs, Tensor& os) {
+          cuda::launch_skinny_gemm(mat(xs), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(os),
+                                   props_.multiProcessorCount, s_);
+          CUDA_CHECK_LAUNCH();
+        }))
       return;
-    }
     lt_->run(mat(x), mat(w), mat(out));
     if (bias) {
       cuda::launch_add_bias(mat(out), static_cast<const bf16*>(bias->data), s_);
@@ -406,10 +444,33 @@ class CudaBackend final : public Backend {
     check(x.cols == w.cols && w.rows == 2 * out.cols && out.rows == x.rows,
           "cuda backend: matmul_swiglu shape mismatch");
     if (skip_launch()) return;
-    if (!cuda::skinny_gemm_supported(mat(x), mat(w), mat(out))) return Backend::matmul_swiglu(x, w, bias, gate_up, out);
-    cuda::launch_skinny_gemm_swiglu(mat(x), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr, mat(out),
-                                    s_);
-    CUDA_CHECK_LAUNCH();
+    if (!in_skinny_slices(x, w, out, [&](const Tensor& xs, Tensor& os) {
+          cuda::launch_skinny_gemm_swiglu(mat(xs), mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr,
+                                          mat(os), s_);
+          CUDA_CHECK_LAUNCH();
+        }))
+      Backend::matmul_swiglu(x, w, bias, gate_up, out);
+  }
+
+  // Runs a product through the skinny kernel: whole when x has at most kSkinnyMaxRows rows, and
+  // in slices of that many rows when rows must not depend on their batch (DFLASH_BATCH_INVARIANT=1:
+  // every row then takes the skinny kernel's reduction order, at the price of reading the weights
+  // once per slice). False when the product takes cuBLASLt instead.
+  template <typename Launch>
+  bool in_skinny_slices(const Tensor& x, const Tensor& w, Tensor& out, Launch&& launch) {
+    if (cuda::skinny_gemm_supported(mat(x), mat(w), mat(out))) {
+      launch(x, out);
+      return true;
+    }
+    if (!batch_invariant_ || x.rows <= cuda::kSkinnyMaxRows ||
+        !cuda::skinny_gemm_supported(mat(x.slice_rows(0, cuda::kSkinnyMaxRows)), mat(w), mat(out)))
+      return false;
+    for (int64_t r0 = 0; r0 < x.rows; r0 += cuda::kSkinnyMaxRows) {
+      const int64_t n = std::min<int64_t>(cuda::kSkinnyMaxRows, x.rows - r0);
+      Tensor os = out.slice_rows(r0, n);
+      launch(x.slice_rows(r0, n), os);
+    }
+    return true;
   }
 
   // A few rows (decode): the product normalizes its own input, one kernel instead of two.
@@ -582,6 +643,35 @@ class CudaBackend final : public Backend {
       result.insert(result.end(), argmax_host_, argmax_host_ + n);
     }
     return result;
+  }
+
+  Tensor alloc_ids(int64_t n) override { return alloc_as(n, 1, DType::I32); }
+
+  void argmax_ids(const Tensor& x, Tensor& ids) override {
+    require_bf16(x, "argmax input");
+    require_ids(ids, "argmax_ids output");
+    check(ids.rows == x.rows, "cuda backend: argmax_ids needs one id per row of x");
+    if (skip_launch()) return;
+    for (int64_t r0 = 0; r0 < x.rows; r0 += kArgmaxCap) {
+      const int64_t n = std::min<int64_t>(kArgmaxCap, x.rows - r0);
+      cuda::launch_argmax(mat(x.slice_rows(r0, n)), static_cast<int32_t*>(ids.data) + r0, argmax_out_ + kArgmaxCap, s_);
+      CUDA_CHECK_LAUNCH();
+    }
+  }
+
+  std::vector<int32_t> ids_to_host(const Tensor& ids) override {
+    check(!graph_mode(), "cuda backend: ids_to_host synchronizes and cannot be captured");
+    require_ids(ids, "ids_to_host input");
+    std::vector<int32_t> out(static_cast<size_t>(ids.rows));
+    if (out.empty()) return out;
+    for (int64_t r0 = 0; r0 < ids.rows; r0 += kArgmaxCap) {  // through pinned memory: a faster copy
+      const int64_t n = std::min<int64_t>(kArgmaxCap, ids.rows - r0);
+      CUDA_CHECK(cudaMemcpyAsync(argmax_host_, static_cast<const int32_t*>(ids.data) + r0, n * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, s_));
+      CUDA_CHECK(cudaStreamSynchronize(s_));
+      std::copy(argmax_host_, argmax_host_ + n, out.begin() + r0);
+    }
+    return out;
   }
 
   // With the device selection on (gpu_top_k_, the default), rows with 0 < top_k <= kTopCandidatesMaxK select
@@ -856,6 +946,7 @@ class CudaBackend final : public Backend {
   // Top-k candidates selected on the device unless DFLASH_GPU_TOP_K=0 (the host selection, kept
   // for comparison: bench/results/sampling_gpu_h100.txt).
   bool gpu_top_k_ = cuda::env_switch("DFLASH_GPU_TOP_K") != "0";
+  bool batch_invariant_ = cuda::env_switch("DFLASH_BATCH_INVARIANT") == "1";
   cuda::TopCandidatesRow* top_out_ = nullptr;   // top_candidates' results, device and pinned host
   cuda::TopCandidatesRow* top_host_ = nullptr;
   // Recent uploads (contents -> device copy, index in the capture's uploads) of the active

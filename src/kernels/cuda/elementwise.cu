@@ -22,11 +22,16 @@ __device__ __forceinline__ void st(float* p, float v) { *p = v; }
 
 // R: the residual stream's element type (bf16 or float) in the kernels below.
 template <typename R>
-__global__ void embed_kernel(const bf16* table, int64_t table_stride, const int32_t* ids, int64_t cols, R* out,
-                             int64_t out_stride) {
+__global__ void embed_kernel(const bf16* table, int64_t table_stride, int64_t table_rows, const int32_t* ids,
+                             const int32_t* dev_ids, const int32_t* map, int64_t cols, R* out, int64_t out_stride) {
   pdl_begin();
   const int64_t r = blockIdx.x;
-  const bf16* src = table + ids[r] * table_stride;
+  int64_t id = ids[r];
+  if (map && map[r] >= 0) {
+    id = dev_ids[map[r]];
+    if (id < 0 || id >= table_rows) id = 0;
+  }
+  const bf16* src = table + id * table_stride;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) st(out + r * out_stride + i, ld(src + i));
 }
 
@@ -311,14 +316,15 @@ unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
 
 void set_pdl_enabled(bool on) { g_pdl_enabled = on; }
 
-void launch_embed(const Mat& table, const int32_t* ids, Rows out, cudaStream_t s) {
+void launch_embed(const Mat& table, const int32_t* ids, const int32_t* dev_ids, const int32_t* map, Rows out,
+                  cudaStream_t s) {
   if (out.rows == 0) return;
   if (out.f32)
-    launch(embed_kernel<float>, out.rows, kRowThreads, s, table.data, table.stride, ids, table.cols,
-           static_cast<float*>(out.data), out.stride);
+    launch(embed_kernel<float>, out.rows, kRowThreads, s, table.data, table.stride, table.rows, ids, dev_ids, map,
+           table.cols, static_cast<float*>(out.data), out.stride);
   else
-    launch(embed_kernel<bf16>, out.rows, kRowThreads, s, table.data, table.stride, ids, table.cols,
-           static_cast<bf16*>(out.data), out.stride);
+    launch(embed_kernel<bf16>, out.rows, kRowThreads, s, table.data, table.stride, table.rows, ids, dev_ids, map,
+           table.cols, static_cast<bf16*>(out.data), out.stride);
 }
 
 void launch_gather_rows(const Rows& src, const int32_t* rows, Mat out, cudaStream_t s) {

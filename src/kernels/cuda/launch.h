@@ -28,8 +28,10 @@ struct Rows {
 // Programmatic dependent launch for every kernel below (Hopper and later; see pdl.cuh).
 void set_pdl_enabled(bool on);
 
-// out[r] = table[ids[r]]
-void launch_embed(const Mat& table, const int32_t* ids, Rows out, cudaStream_t s);
+// out[r] = table[ids[r]]; with a map, rows where map[r] >= 0 take dev_ids[map[r]] instead (ids
+// outside the table read row 0).
+void launch_embed(const Mat& table, const int32_t* ids, const int32_t* dev_ids, const int32_t* map, Rows out,
+                  cudaStream_t s);
 // out = rmsnorm(x) * w  (x may alias out when both are bf16)
 void launch_rms_norm(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t s);
 // residual_out = residual + delta (both of the residual's type, residual_out may be residual);

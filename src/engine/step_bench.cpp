@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -177,16 +178,32 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       const DType kv_dtype = tcache.k[0].dtype;
 
       auto time_steps = [&](auto&& step) { return time_median_ms(*be, o.warmup, o.iters, step); };
-      auto add_row = [&](const std::string& mode, double ms, double ms_eager, int64_t bytes, double ms_restaged = 0,
-                         double restage_us = 0) {
+      // Times a step as the decoders run it (body, then one copy of its ids back): op by op, as a
+      // graph replay, and restaged then replayed; `restage_us` is the restaging alone.
+      auto add_row = [&](const std::string& mode, int64_t bytes, const std::function<void()>& body, const Tensor& ids) {
         StepBenchRow r;
-        r.ms_per_step_restaged = ms_restaged;
-        r.restage_us = restage_us;
+        r.ms_per_step_eager = time_steps([&] {
+          body();
+          be->ids_to_host(ids);
+        });
+        r.ms_per_step = r.ms_per_step_eager;
+        if (be->supports_graphs()) {
+          auto g = be->capture_graph(body);
+          r.ms_per_step = time_steps([&] {
+            be->replay_graph(g);
+            be->ids_to_host(ids);
+          });
+          r.ms_per_step_restaged = time_steps([&] {
+            check(be->restage_graph(g, body), "bench-step: the ", mode, " step no longer matches its graph");
+            be->replay_graph(g);
+            be->ids_to_host(ids);
+          });
+          r.restage_us = 1e3 * time_steps([&] { be->restage_graph(g, body); });
+        }
+        const double ms = r.ms_per_step;
         r.mode = mode;
         r.batch = batch;
         r.context = ctx;
-        r.ms_per_step = ms;
-        r.ms_per_step_eager = ms_eager;
         r.bytes_per_step = bytes;
         r.floor_ms = static_cast<double>(bytes) / (rep.copy_gbps * 1e9) * 1e3;
         r.fraction_of_floor = r.floor_ms / ms;
@@ -206,27 +223,8 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         plain_ids = be->alloc_ids(batch);
         be->argmax_ids(target.forward(plain, tcache).logits, plain_ids);
       };
-      const double plain_eager = time_steps([&] {
-        plain_body();
-        be->ids_to_host(plain_ids);
-      });
-      double plain_ms = plain_eager, plain_restaged = 0, plain_restage_us = 0;
-      if (be->supports_graphs()) {
-        auto g = be->capture_graph(plain_body);
-        plain_ms = time_steps([&] {
-          be->replay_graph(g);
-          be->ids_to_host(plain_ids);
-        });
-        plain_restaged = time_steps([&] {
-          check(be->restage_graph(g, plain_body), "bench-step: the plain step no longer matches its graph");
-          be->replay_graph(g);
-          be->ids_to_host(plain_ids);
-        });
-        plain_restage_us = 1e3 * time_steps([&] { be->restage_graph(g, plain_body); });
-      }
-      add_row("plain", plain_ms, plain_eager,
-              target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype), plain_restaged,
-              plain_restage_us);
+      add_row("plain", target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype), plain_body,
+              plain_ids);
 
       if (!draft) continue;
       // DFlash: draft block [t, M..M] (bidirectional), verify B tokens with feature
@@ -259,28 +257,10 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         be->argmax_ids(out.logits, argmax);
         draft->project_context(out.captured, project, dcache);
       };
-      const double dflash_eager = time_steps([&] {
-        dflash_body();
-        be->ids_to_host(dflash_ids);
-      });
-      double dflash_ms = dflash_eager, dflash_restaged = 0, dflash_restage_us = 0;
-      if (be->supports_graphs()) {
-        auto g = be->capture_graph(dflash_body);
-        dflash_ms = time_steps([&] {
-          be->replay_graph(g);
-          be->ids_to_host(dflash_ids);
-        });
-        dflash_restaged = time_steps([&] {
-          check(be->restage_graph(g, dflash_body), "bench-step: the DFlash step no longer matches its graph");
-          be->replay_graph(g);
-          be->ids_to_host(dflash_ids);
-        });
-        dflash_restage_us = 1e3 * time_steps([&] { be->restage_graph(g, dflash_body); });
-      }
       const int64_t dflash_bytes = target.weight_bytes_per_step() + draft->weight_bytes_per_step() +
                                    batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +
                                             kv_read_bytes(dc.layers, ctx + B, kv_dtype));
-      add_row("dflash", dflash_ms, dflash_eager, dflash_bytes, dflash_restaged, dflash_restage_us);
+      add_row("dflash", dflash_bytes, dflash_body, dflash_ids);
     }
   }
 

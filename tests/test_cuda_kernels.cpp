@@ -73,7 +73,8 @@ class CudaOps : public ::testing::Test {
 
 TEST_F(CudaOps, MatmulMatchesCpuForSkinnyAndLargeShapes) {
   const int64_t ms[] = {1, 3, 8, 16, 17, 32, 33, 100};
-  const int64_t shapes[][2] = {{1, 64}, {17, 136}, {256, 8}, {1000, 4096}, {333, 12}, {4096, 1000}};
+  // 5000 and 7000 rows take three and four 16-row tiles a block on an H100 (one block per SM).
+  const int64_t shapes[][2] = {{1, 64}, {17, 136}, {256, 8}, {1000, 4096}, {333, 12}, {4096, 1000}, {5000, 64}, {7000, 40}};
   for (int64_t m : ms) {
     for (const auto& s : shapes) {
       const int64_t n = s[0], k = s[1];
@@ -88,20 +89,32 @@ TEST_F(CudaOps, MatmulMatchesCpuForSkinnyAndLargeShapes) {
 }
 
 // The basis of lossless speculative decoding on the GPU: a row's product is
-// bit-identical whether it is computed alone or among up to 32 rows.
+// bit-identical whether it is computed alone or among up to 32 rows, and whatever number of
+// weight tiles a block takes (4096 and 6144 rows at more than 8 tokens: two and three tiles on
+// an H100, one block per SM; the usual blocks with DFLASH_SKINNY_WIDE=0, wide ones at any number
+// of tokens with all).
 TEST_F(CudaOps, SkinnyMatmulRowsDoNotDependOnTheBatch) {
-  const int64_t n = 1000, k = 4096;
-  auto w = random(n, k, 0.05f);
-  for (int64_t m : {2, 9, 16, 32}) {
-    auto x = random(m, k);
-    Tensor all = gpu->alloc(m, n);
-    gpu->matmul(x.g, w.g, nullptr, all);
-    const std::vector<float> batched = gpu->to_host(all);
-    for (int64_t r : {int64_t{0}, m / 2, m - 1}) {
-      Tensor one = gpu->alloc(1, n);
-      gpu->matmul(x.g.slice_rows(r, 1), w.g, nullptr, one);
-      const std::vector<float> alone = gpu->to_host(one);
-      ASSERT_TRUE(std::equal(alone.begin(), alone.end(), batched.begin() + r * n)) << "m=" << m << " row " << r;
+  const int64_t k = 4096;
+  for (int64_t n : {1000, 4096, 6144}) {
+    auto w = random(n, k, 0.05f);
+    for (int64_t m : {2, 9, 16, 32}) {
+      auto x = random(m, k);
+      Tensor all = gpu->alloc(m, n);
+      gpu->matmul(x.g, w.g, nullptr, all);
+      const std::vector<float> batched = gpu->to_host(all);
+      for (const char* mode : {"0", "all"}) {
+        Tensor other = gpu->alloc(m, n);
+        setenv("DFLASH_SKINNY_WIDE", mode, 1);
+        gpu->matmul(x.g, w.g, nullptr, other);
+        unsetenv("DFLASH_SKINNY_WIDE");
+        ASSERT_EQ(gpu->to_host(other), batched) << "DFLASH_SKINNY_WIDE=" << mode << " n=" << n << " m=" << m;
+      }
+      for (int64_t r : {int64_t{0}, m / 2, m - 1}) {
+        Tensor one = gpu->alloc(1, n);
+        gpu->matmul(x.g.slice_rows(r, 1), w.g, nullptr, one);
+        const std::vector<float> alone = gpu->to_host(one);
+        ASSERT_TRUE(std::equal(alone.begin(), alone.end(), batched.begin() + r * n)) << "n=" << n << " m=" << m << " row " << r;
+      }
     }
   }
 }

@@ -19,6 +19,7 @@
 // saves a kernel and its wait between the products of a layer.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <string>
 
 #include "kernels/cuda/device_math.cuh"
@@ -56,21 +57,24 @@ constexpr int stages(int budget) {
   const int n = budget / static_cast<int>(sizeof(Stage<XT, RT>));
   return n < 2 ? 2 : n > 8 ? 8 : n;
 }
-template <int MT, int RT, bool kNorm>
-constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(12288);
+// kWide (one block per SM, see wide_row_tiles): 24 KiB a warp, 192 KiB a block.
+template <int MT, int RT, bool kNorm, bool kWide = false>
+constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(kWide ? 24576 : 12288);
 template <int MT, int RT, bool kNorm>
 using StageOf = Stage<kNorm ? 0 : MT, RT>;
 
 // Bytes of the ring (reused by the cross-warp reduction); the normalized rows follow them.
-template <int MT, int RT, bool kNorm>
+template <int MT, int RT, bool kNorm, bool kWide = false>
 constexpr size_t smem_bytes() {
-  constexpr size_t ring = sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm> * kWarps;
+  constexpr size_t ring = sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm, kWide> * kWarps;
   constexpr size_t red = sizeof(float) * kWarps * RT * MT * 4 * 32;
   return ring > red ? ring : red;
 }
 
 // Shared memory a block may use so that two blocks fit an SM (228 KiB, 1 KiB reserved a block).
 constexpr size_t kMaxBlockSmem = 112 * 1024;
+// The wide ring's block (one a SM), where the device allows that much.
+constexpr size_t kWideBlockSmem = 200 * 1024;
 // Normalized rows in shared memory are padded by 16 bytes (fewer bank conflicts).
 constexpr int64_t norm_row_elems(int64_t k) { return k + 8; }
 
@@ -83,7 +87,7 @@ constexpr int64_t norm_row_elems(int64_t k) { return k + 8; }
 // weights are requested before waiting on the previous kernel (they need nothing from it).
 // kNorm: x is unused; the rows come from `norm` (see RowNorm), K == the rows' width, and R is
 // the residual stream's element type (float or bf16).
-template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16>
+template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kWide = false>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
@@ -91,14 +95,14 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
                                                                   RowNorm norm, int l2_hint) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
-  constexpr int S = kStages<MT, RT, kNorm>;
+  constexpr int S = kStages<MT, RT, kNorm, kWide>;
   using St = StageOf<MT, RT, kNorm>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * features_per_block(RT, kSwiglu);
   St* ring = reinterpret_cast<St*>(smem_raw) + warp * S;
-  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm>());  // kNorm: [M][norm_row_elems(K)]
+  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide>());  // kNorm: [M][norm_row_elems(K)]
 
   const int n_chunks = (K + kChunk - 1) / kChunk;
   const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
@@ -253,41 +257,72 @@ int weight_l2_hint() {
   return hint;
 }
 
+// Whether the device gives a block the wide ring's shared memory (H100: 227 KiB).
+bool wide_ring_fits() {
+  static const bool fits = [] {
+    int device = 0, optin = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return static_cast<size_t>(optin) >= kWideBlockSmem;
+  }();
+  return fits;
+}
+
 // Dynamic shared memory of a launch: the ring, and for kNorm the normalized rows.
 template <int MT, int RT, bool kNorm>
 size_t launch_smem_bytes(int M, int64_t K) {
   return smem_bytes<MT, RT, kNorm>() + (kNorm ? sizeof(bf16) * M * norm_row_elems(K) : 0);
 }
 
-template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16>
+template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16, bool kWide = false>
 void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s) {
   static const bool configured = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxBlockSmem)));
+    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kWide ? kWideBlockSmem : kMaxBlockSmem)));
     return true;
   }();
   (void)configured;
   const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);
   const unsigned blocks = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
-  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R>, blocks, kWarps * 32,
-              launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols), s, x.data, x.stride,
+  const size_t smem = kWide ? smem_bytes<MT, RT, false, true>() : launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols);
+  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>, blocks, kWarps * 32, smem, s, x.data, x.stride,
               static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
               out.data, out.stride, norm, weight_l2_hint());
 }
 
-template <int RT, bool kSwiglu = false>
+template <int RT, bool kSwiglu = false, bool kWide = false>
 void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
   const RowNorm none{};
   switch ((x.rows + 7) / 8) {
-    case 1: return launch_tiles<1, RT, kSwiglu>(x, w, bias, out, none, s);
-    case 2: return launch_tiles<2, RT, kSwiglu>(x, w, bias, out, none, s);
-    case 3: return launch_tiles<3, RT, kSwiglu>(x, w, bias, out, none, s);
-    default: return launch_tiles<4, RT, kSwiglu>(x, w, bias, out, none, s);
+    case 1: return launch_tiles<1, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s);
+    case 2: return launch_tiles<2, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s);
+    case 3: return launch_tiles<3, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s);
+    default: return launch_tiles<4, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s);
   }
 }
 
-// Row tiles per block of a plain product: two only when that still leaves two blocks per SM.
+// Row tiles of a wide block (one block per SM, with the 24 KiB-a-warp ring), or 0 for the
+// usual blocks (two per SM, one or two tiles). Products of a few thousand rows (q/k/v, o_proj,
+// down: 4096-6144) at more than 8 tokens take as many tiles as make one block per SM: a block
+// streams the tokens' rows of its K chunks from L2 once for all its tiles (with one tile a
+// block, 16 tokens moved as many bytes from L2 as the weights did), and the deeper ring keeps
+// as many weight bytes in flight as two blocks did. The tiles and the ring never change a
+// feature's reduction order (the warps split K alone), so every form gives the same bits.
+// H100, bench-step at context 512: the DFlash step 7.93 -> 7.69 ms at batch 1, 9.47 -> 8.50 ms
+// at batch 2 (wide blocks with the 12 KiB ring: 8.22 ms at batch 1). DFLASH_SKINNY_WIDE (read at
+// each launch, so tests compare the forms): 0 never, all at any number of tokens.
+constexpr int kMaxRowTiles = 4;
+int wide_row_tiles(const Mat& w, int64_t m, int n_sms) {
+  if (w.rows >= int64_t{32} * 2 * n_sms) return 0;  // two tiles a block leave two blocks per SM
+  const std::string mode = env_switch("DFLASH_SKINNY_WIDE");
+  if (mode == "0" || (m <= 8 && mode != "all") || !wide_ring_fits()) return 0;
+  const int64_t per_sm = (w.rows + int64_t{16} * n_sms - 1) / (int64_t{16} * n_sms);
+  return per_sm <= 1 ? 0 : static_cast<int>(std::min<int64_t>(per_sm, kMaxRowTiles));
+}
+
+// Row tiles per block of a usual product: two only when that still leaves two blocks per SM.
 bool two_row_tiles(const Mat& w, int n_sms) { return w.rows >= int64_t{32} * 2 * n_sms; }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -300,6 +335,12 @@ bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out) {
 }
 
 void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s) {
+  switch (wide_row_tiles(w, x.rows, n_sms)) {
+    case 0: break;
+    case 2: return launch_rt<2, false, true>(x, w, bias, out, s);
+    case 3: return launch_rt<3, false, true>(x, w, bias, out, s);
+    default: return launch_rt<4, false, true>(x, w, bias, out, s);
+  }
   if (two_row_tiles(w, n_sms)) launch_rt<2>(x, w, bias, out, s);
   else launch_rt<1>(x, w, bias, out, s);
 }

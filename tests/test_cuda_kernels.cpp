@@ -263,8 +263,8 @@ TEST_F(CudaOps, SwiGlu) {
 // The fused gate/up product + SwiGLU (skinny batches; gate and up stay float32) and the two
 // steps (wider batches, and Backend's own form) against the CPU.
 TEST_F(CudaOps, FusedMatmulSwigluMatchesTheSeparateOps) {
-  const int64_t shapes[][2] = {{1000, 136}, {72, 4096}, {12288, 4096}};
-  for (int64_t m : {1, 5, 16, 33}) {
+  const int64_t shapes[][2] = {{1000, 136}, {72, 4096}, {12288, 4096}, {3000, 64}};
+  for (int64_t m : {1, 5, 12, 16, 33}) {
     for (const auto& s : shapes) {
       const int64_t n = s[0], k = s[1];
       if (n * k > 4096 * 4096 && m > 16) continue;  // keep the CPU reference quick
@@ -279,6 +279,13 @@ TEST_F(CudaOps, FusedMatmulSwigluMatchesTheSeparateOps) {
         const std::string what = testing::PrintToString(std::vector<int64_t>{m, n, k, with_bias});
         expect_close(out, what);
         EXPECT_LE(test::rel_l2_error(gpu->to_host(out2), cpu->to_host(out.c)), kBound) << what << " two steps";
+        // Up to 32 tokens (the skinny kernel), a row alone equals the row in the batch.
+        if (m > 32) continue;
+        const std::vector<float> batched = gpu->to_host(out.g);
+        Tensor one = gpu->alloc(1, n), gu1 = gpu->alloc(1, 2 * n);
+        gpu->matmul_swiglu(x.g.slice_rows(m - 1, 1), w.g, bg, gu1, one);
+        const std::vector<float> alone = gpu->to_host(one);
+        EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batched.begin() + (m - 1) * n)) << what << " last row alone";
       }
     }
   }

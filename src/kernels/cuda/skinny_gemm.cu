@@ -286,7 +286,9 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);
   const unsigned blocks = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
-  const size_t smem = kWide ? smem_bytes<MT, RT, false, true>() : launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols);
+  static_assert(!(kWide && kNorm), "the normalizing form has no wide blocks");
+  const size_t smem =
+      kWide ? smem_bytes<MT, RT, false, true>() : launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols);
   launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>, blocks, kWarps * 32, smem, s, x.data, x.stride,
               static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
               out.data, out.stride, norm, weight_l2_hint());

@@ -11,7 +11,9 @@
 // completes only after its predecessor has, so ordering stays transitive.
 // Kernels that fill the SMs and come before a product (attention, the split
 // combine) release at their end instead: a product launched early would place
-// its blocks on the few SMs already free and run on part of the GPU.
+// its blocks on the few SMs already free and run on part of the GPU. The RMSNorm
+// kernel between two products (a few blocks) releases before its wait, so that
+// the product after it starts streaming while the one before it finishes.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -73,7 +73,8 @@ class CudaOps : public ::testing::Test {
 
 TEST_F(CudaOps, MatmulMatchesCpuForSkinnyAndLargeShapes) {
   const int64_t ms[] = {1, 3, 8, 16, 17, 32, 33, 100};
-  // 5000 and 7000 rows take three and four 16-row tiles a block on an H100 (one block per SM).
+  // At 9 to 32 tokens, 5000 and 7000 rows take three and four 16-row tiles a block on an H100
+  // (one block per SM).
   const int64_t shapes[][2] = {{1, 64}, {17, 136}, {256, 8}, {1000, 4096}, {333, 12}, {4096, 1000}, {5000, 64}, {7000, 40}};
   for (int64_t m : ms) {
     for (const auto& s : shapes) {

@@ -234,12 +234,13 @@ template <int kDims>
 __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, const float* workspace,
                                int max_splits, bf16* out, int64_t out_stride, int release_early) {
   if (release_early) pdl_release();
-  pdl_wait();
+  // The rows are staged metadata: read before the wait (pdl.cuh).
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (item >= static_cast<int64_t>(n_rows) * shp.n_heads) return;
-  const int row = static_cast<int>(item / shp.n_heads), head = static_cast<int>(item % shp.n_heads);
-  const int n_splits = n_splits_of(visible_keys(rows[row], shp.sliding_window));
-  if (n_splits <= 1) return;  // written directly by the attention kernel
+  const bool valid = item < static_cast<int64_t>(n_rows) * shp.n_heads;
+  const int row = valid ? static_cast<int>(item / shp.n_heads) : 0, head = static_cast<int>(item % shp.n_heads);
+  const int n_splits = valid ? n_splits_of(visible_keys(rows[row], shp.sliding_window)) : 0;
+  pdl_wait();
+  if (n_splits <= 1) return;  // written directly by the attention kernel (or no such row)
   combine_splits<kDims>(workspace + item * max_splits * (shp.head_dim + 2), n_splits, shp.head_dim,
                  out + row * out_stride + static_cast<int64_t>(head) * shp.head_dim);
   pdl_release();

@@ -107,7 +107,7 @@ __device__ __forceinline__ void norm_rope_quad(uint4 (&x)[kChunks], const bf16* 
 // four warps share the merge, which runs once a split, and each split merges into the running
 // state st_m, st_l, st_acc; else warp 0 merges alone (fewer shared-memory trips: faster where a
 // block runs one split) and the split's result goes out. The same arithmetic either way.
-template <int HD, bool kFused, bool kLoop>
+template <int HD, bool kFused, bool kLoop, typename Ready>
 __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf16* kc, int64_t k_stride, bf16* vc,
                                              int64_t v_stride, const AttnFresh& fresh, const AttnRow r0,
                                              const AttnTile writes, const int32_t* page_tables, const AttnShape& shp,
@@ -116,7 +116,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
                                              const int (&vsplits)[2], const bool (&vok)[2], float* workspace,
                                              int max_splits, bf16* out, int64_t out_stride, bf16 (*v_s)[16][HD + 8],
                                              float* merge_s, bf16 (*q_s)[HD + 8], bool l2_hint, float (&st_m)[2],
-                                             float (&st_l)[2], float* st_acc) {
+                                             float (&st_l)[2], float* st_acc, Ready&& ready) {
   constexpr int kChunks = HD / 32;   // 32-dim chunks of the score product
   constexpr int kDimTiles = HD / 8;  // 8-dim tiles of the output
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4, hd = shp.head_dim;
@@ -125,8 +125,12 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   auto writes_row = [&](int row) { return row >= writes.first_row && row < writes.first_row + writes.n_rows; };
 
   // The warp's keys: n-tile t holds keys kbase + 8t + (0..7); this lane loads key kbase + 8t + g.
+  // With pages of a multiple of 16 keys, the warp's 16 keys are the consecutive cache rows from
+  // slot0 on: one page lookup, and no shuffles for the V tile's rows.
   const int32_t* pages = page_tables + r0.page_offset;
   const int kbase = split * kAttnSplitKeys + warp * 16;
+  const bool consecutive = shp.page_size % 16 == 0;
+  const int64_t slot0 = consecutive && kbase < r0.n_keys ? key_slot(pages, kbase, shp.page_size) : 0;
   int64_t slot[2];
   bool kok[2];
   int krow[2];
@@ -134,16 +138,23 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   for (int t = 0; t < 2; ++t) {
     const int key = kbase + 8 * t + g;
     kok[t] = key < r0.n_keys;
-    slot[t] = kok[t] ? key_slot(pages, key, shp.page_size) : 0;
+    slot[t] = !kok[t] ? 0 : consecutive ? slot0 + 8 * t + g : key_slot(pages, key, shp.page_size);
     krow[t] = kok[t] ? fresh_row(key) : -1;
   }
   const int64_t head_off = static_cast<int64_t>(kv_head) * hd;
+  // Everything above reads only the batch's metadata (pdl.cuh: staged by copies that precede this
+  // kernel, never written by a kernel), so it runs before the wait, under the previous kernel's tail.
+  ready();
 
   // V rows of the warp's 16 keys head for shared memory first, then K and Q into registers.
   constexpr int kPieces = 16 * HD / 8;  // 16-byte pieces of the warp's V tile
   auto v_src = [&](int kr, int part, bool& ok, int& row, int64_t& sl) {
-    const int64_t s0 = __shfl_sync(kFull, slot[0], (kr % 8) * 4), s1 = __shfl_sync(kFull, slot[1], (kr % 8) * 4);
-    sl = kr < 8 ? s0 : s1;
+    if (consecutive) {
+      sl = slot0 + kr;
+    } else {
+      const int64_t s0 = __shfl_sync(kFull, slot[0], (kr % 8) * 4), s1 = __shfl_sync(kFull, slot[1], (kr % 8) * 4);
+      sl = kr < 8 ? s0 : s1;
+    }
     ok = kbase + kr < r0.n_keys && part * 8 < hd;
     row = ok ? fresh_row(kbase + kr) : -1;
     return !ok ? vc : row >= 0 ? fresh.v + row * fresh.stride + head_off + part * 8 : vc + sl * v_stride + head_off + part * 8;
@@ -168,12 +179,16 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
 
   uint4 kb[2][kChunks], qa[kChunks][2];
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  const bf16* krow_ptr[2];  // this lane's key rows (head kv_head, its first dims)
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+    krow_ptr[t] = (krow[t] >= 0 ? fresh.k + krow[t] * fresh.stride : kc + slot[t] * k_stride) + head_off + qd * 8;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const int d = c * 32 + qd * 8;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const bf16* kp = krow[t] >= 0 ? fresh.k + krow[t] * fresh.stride + head_off + d : kc + slot[t] * k_stride + head_off + d;
+      const bf16* kp = krow_ptr[t] + c * 32;
       kb[t][c] = kok[t] && d < hd ? (l2_hint ? load16_l2_128(kp) : load16(kp)) : zero;
     }
   }
@@ -446,9 +461,13 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
   // placed by then, and the product after the combine streams its first weights meanwhile.
   // The fused form's predecessor is the q/k/v product itself: released after the wait
   // (release_early == 2), its successors start streaming when that product is done.
+  // The wait for the previous kernel comes inside the split (ready), after the work that needs
+  // only the staged metadata; the end of the kernel waits again for blocks without a split.
   if (release_early == 1) pdl_release();
-  pdl_wait();
-  if (release_early == 2) pdl_release();
+  auto ready = [&] {
+    pdl_wait();
+    if (release_early == 2) pdl_release();
+  };
 
   const int g = threadIdx.x % 32 / 4;
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + heads - 1) / heads;
@@ -481,7 +500,7 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
     attend_split<HD, kFused, kLoop>(q, q_stride, kc, k_stride, vc, v_stride, fresh, rows[tile.first_row],
                              chunk == 0 ? tile : AttnTile{0, 0}, page_tables, shp, kv_head, split, vrow, vhead, vpos,
                              lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, merge_s, q_s,
-                             l2_hint != 0, st_m, st_l, &st_acc[0][0]);
+                             l2_hint != 0, st_m, st_l, &st_acc[0][0], ready);
   };
   if constexpr (kLoop) {
     // The state starts empty; each split merges into it in order.
@@ -494,6 +513,7 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
     if (__syncthreads_or(split < vsplits[0] || split < vsplits[1])) run_split(split);
   }
 
+  pdl_wait();
   if (!release_early) pdl_release();
 }
 

@@ -5,7 +5,9 @@
 // writes (or reads: the wait also orders writes after earlier reads), and then
 // pdl_release() so that the next kernel may be scheduled (pdl_begin() does
 // both). Work that needs no earlier result, such as prefetching weights, may
-// come before that.
+// come before that. So may reads of batch metadata that the host stages (positions,
+// attention rows, page tables): the staging copies precede the kernel in the stream, a
+// kernel after a copy starts only once the copy is done, and no kernel writes them.
 //
 // Every kernel waits unconditionally, before any early return: a kernel then
 // completes only after its predecessor has, so ordering stays transitive.

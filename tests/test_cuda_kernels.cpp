@@ -165,6 +165,16 @@ TEST_F(CudaOps, EmbedAndGatherRowsIntoAColumnSlice) {
   cpu->gather_rows(out.c, rows, gc);
   gpu->gather_rows(out.g, rows, gg);
   expect_close(wide, "gather into columns 72..143");
+  // Rows that are not whole 16-byte pieces (70 columns, a slice from column 1) are copied element
+  // by element.
+  auto src70 = random(37, 70), table70 = random(300, 70), out70 = poisoned(37, 70);
+  Tensor uc = wide.c.slice_cols(1, 70), ug = wide.g.slice_cols(1, 70);
+  cpu->gather_rows(src70.c, rows, uc);
+  gpu->gather_rows(src70.g, rows, ug);
+  expect_close(wide, "gather into columns 1..70");
+  cpu->embed(table70.c, ids, out70.c);
+  gpu->embed(table70.g, ids, out70.g);
+  expect_close(out70, "embed, 70 columns", 0.0);
 }
 
 // Rows held in registers (cols % 8 == 0, up to 8192) and the general form (12, 10000), with a

@@ -27,8 +27,16 @@ int64_t TargetModel::weight_bytes_per_step() const {
 }
 
 Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t>& rows, const Tensor& lm_head) {
-  Tensor picked = be.alloc(static_cast<int64_t>(rows.size()), normed.cols);
-  be.gather_rows(normed, rows, picked);
+  // Consecutive rows (a decode batch, a verification block) are a view: no gather.
+  bool consecutive = !rows.empty() && rows[0] >= 0 && rows.back() < normed.rows;
+  for (size_t i = 1; consecutive && i < rows.size(); ++i) consecutive = rows[i] == rows[i - 1] + 1;
+  Tensor picked;
+  if (consecutive) {
+    picked = normed.slice_rows(rows[0], static_cast<int64_t>(rows.size()));
+  } else {
+    picked = be.alloc(static_cast<int64_t>(rows.size()), normed.cols);
+    be.gather_rows(normed, rows, picked);
+  }
   Tensor logits = be.alloc(picked.rows, lm_head.rows);
   if (picked.rows > 0) be.matmul(picked, lm_head, nullptr, logits);
   return logits;

@@ -11,6 +11,9 @@ namespace dflash::cuda {
 
 constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp
 
+// Whether a pointer may be read or written in 16-byte pieces.
+__host__ __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // A float rounded to bf16 and back: what a torch op in bf16 stores.
 __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 

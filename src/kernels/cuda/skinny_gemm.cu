@@ -327,8 +327,6 @@ int wide_row_tiles(const Mat& w, int64_t m, int n_sms) {
 // Row tiles per block of a usual product: two only when that still leaves two blocks per SM.
 bool two_row_tiles(const Mat& w, int n_sms) { return w.rows >= int64_t{32} * 2 * n_sms; }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out) {

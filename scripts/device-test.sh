@@ -4,6 +4,7 @@
 #
 #   bash scripts/device-test.sh build       # portable build into build-dev/ (static libstdc++, .so files in lib/),
 #                                           # packed into build-dev/carry.tar.xz
+#   bash scripts/device-test.sh pack-builds BASELINE_DFLASH   # two builds for STEPS=builds (build-ab/carry.tar.xz)
 #   bash scripts/device-test.sh run OUT     # on the GPU machine, from the repository root, with build-dev/ (or
 #                                           # just build-dev/carry.tar.xz) there:
 #                                           #   CUDA kernel and engine tests, logits vs transformers, bench-step,
@@ -11,8 +12,8 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits sites bench profile ab serving sampling ncu graphs" (default: all
-# but sites, profile, ab, sampling, ncu and graphs).
+# Steps can be chosen with STEPS="tests logits sites bench profile ab builds serving sampling ncu ncu-decode graphs"
+# (default: all but sites, profile, ab, builds, sampling, ncu, ncu-decode and graphs).
 # DFLASH_PDL=0 turns programmatic dependent launch off (A/B timings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,10 +37,23 @@ if [ "$mode" = build ]; then
   exit 0
 fi
 
+if [ "$mode" = pack-builds ]; then
+  # Two builds for STEPS=builds (A/B of code changes that have no switch): after `build`, packs
+  # this build's dflash and libraries with a baseline dflash binary (built the same way from
+  # another commit) into build-ab/carry.tar.xz, the file to carry instead of build-dev's.
+  base=${2:?usage: device-test.sh pack-builds BASELINE_DFLASH}
+  rm -rf build-ab && mkdir -p build-ab/base/build-dev
+  cp "$base" build-ab/base/build-dev/dflash
+  tar -cJf build-ab/carry.tar.xz build-dev/dflash build-dev/lib -C build-ab base/build-dev/dflash
+  ls -la build-ab/carry.tar.xz
+  exit 0
+fi
+
 [ "$mode" = run ] || { echo "unknown mode $mode" >&2; exit 2; }
 out=${2:?usage: device-test.sh run OUT}
 mkdir -p "$out"
 if [ -f build-dev/carry.tar.xz ]; then tar -xJf build-dev/carry.tar.xz; fi
+if [ -f build-ab/carry.tar.xz ]; then tar -xJf build-ab/carry.tar.xz; fi
 steps=${STEPS:-tests logits bench serving}
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 # cuBLASLt comes from the machine: the CUDA toolkit, else the copy PyTorch ships.
@@ -125,6 +139,20 @@ if [[ " $steps " == *" ncu "* ]]; then
   done
 fi
 
+if [[ " $steps " == *" ncu-decode "* ]]; then
+  # Nsight Compute (--set full) on one batch-1 decode attention launch at context 512 (the 41st:
+  # inside the plain rows), with its per-instruction SASS counters:
+  # bench/results/ncu_h100_attention_b1_decode.txt.
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  with_libs ncu --clock-control none --set full --import-source no -k regex:attention_mma --launch-skip 40 \
+    --launch-count 1 -o "$out/ncu_decode" build-dev/dflash bench-step --device cuda --model "$ckpt/qwen3-8b" \
+    --draft "$ckpt/dflash-8b" --batch 1 --context 512 --iters 1 --warmup 1 --skip-kernels --leak-check-steps 0 \
+    > "$out/ncu_decode_run.txt" 2>&1 || status=1
+  ncu -i "$out/ncu_decode.ncu-rep" --print-details all > "$out/ncu_decode.txt" 2>&1 || status=1
+  ncu -i "$out/ncu_decode.ncu-rep" --page source --csv --print-source sass > "$out/ncu_decode_sass.csv" 2>&1 || status=1
+fi
+
 if [[ " $steps " == *" ab "* ]]; then
   # A/B timing of environment settings, one bench-step run per entry of AB (';'-separated; an
   # empty entry runs the defaults), e.g. AB=";DFLASH_L2_PREFETCH=0;DFLASH_PDL=0".
@@ -136,6 +164,25 @@ if [[ " $steps " == *" ab "* ]]; then
     env ${variants[$i]} "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
       --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --skip-kernels --leak-check-steps 0 2>&1 |
       tee "$out/ab_$i.txt" || status=1
+  done
+fi
+
+if [[ " $steps " == *" builds "* ]]; then
+  # A/B of two builds (pack-builds): bench-step with the baseline binary, then with this build,
+  # alternating for ROUNDS rounds (default 2).
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:$LD_LIBRARY_PATH" exec "%s" "$@"\n' "$PWD/build-dev/lib" \
+    "$PWD/base/build-dev/dflash" > build-dev/dflash-base-run
+  chmod +x build-dev/dflash-base-run
+  for round in $(seq "${ROUNDS:-2}"); do
+    for build in base new; do
+      echo "== round $round: $build =="
+      bin=$dflash; [ $build = base ] && bin=build-dev/dflash-base-run
+      "$bin" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
+        --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --skip-kernels --leak-check-steps 0 2>&1 |
+        tee -a "$out/builds_$build.txt" || status=1
+    done
   done
 fi
 

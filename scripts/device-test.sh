@@ -69,6 +69,11 @@ printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:$LD_LIBRARY_PATH" exec "%s" "$@"\n' "$PWD
 chmod +x build-dev/dflash-run
 dflash=build-dev/dflash-run
 ckpt=${CKPT_DIR:-/tmp/dflash-ckpt}
+# The random 8B-shaped target and draft that bench-step and the profiling steps time, written once.
+random_8b_pair() {
+  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
 status=0
 
@@ -96,8 +101,7 @@ fi
 
 if [[ $steps == *bench* ]]; then
   echo "== bench-step: Qwen3-8B shape + z-lab DFlash draft shape, random weights =="
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
     --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512,2048}" --json "$out/bench_step.json" \
     2>&1 | tee "$out/bench_step.txt" || status=1
@@ -106,8 +110,7 @@ if [[ $steps == *profile* ]]; then
   # Per-kernel GPU time of the batch-1 step graphs at context 512 (plain, draft, verify), from
   # CUPTI through tools/kernel_trace, with programmatic dependent launch on and off.
   echo "== profile: bench-step batch 1, context 512, every graph node traced =="
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   # Variants: PROFILE="name=ENV ..." entries separated by ';' (default: PDL on and off).
   IFS=';' read -ra variants <<< "${PROFILE:-pdl1=DFLASH_PDL=1;pdl0=DFLASH_PDL=0}"
   for v in "${variants[@]}"; do
@@ -128,8 +131,7 @@ if [[ " $steps " == *" ncu "* ]]; then
   # Nsight Compute on two 16-row verification attention launches of batch 32 at context 512 (the
   # launches after the plain rows and the draft), once per DFLASH_ATTN_SPLIT_LOOP setting:
   # bench/results/ncu_h100_attention_b32_verify.txt.
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   for loop in 0 1; do
     DFLASH_ATTN_SPLIT_LOOP=$loop with_libs ncu --clock-control none -k regex:attention_mma --launch-skip 150 \
       --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
@@ -143,8 +145,7 @@ if [[ " $steps " == *" ncu-decode "* ]]; then
   # Nsight Compute (--set full) on one batch-1 decode attention launch at context 512 (the 41st:
   # inside the plain rows), with its per-instruction SASS counters:
   # bench/results/ncu_h100_attention_b1_decode.txt.
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   with_libs ncu --clock-control none --set full --import-source no -k regex:attention_mma --launch-skip 40 \
     --launch-count 1 -o "$out/ncu_decode" build-dev/dflash bench-step --device cuda --model "$ckpt/qwen3-8b" \
     --draft "$ckpt/dflash-8b" --batch 1 --context 512 --iters 1 --warmup 1 --skip-kernels --leak-check-steps 0 \
@@ -156,8 +157,7 @@ fi
 if [[ " $steps " == *" ab "* ]]; then
   # A/B timing of environment settings, one bench-step run per entry of AB (';'-separated; an
   # empty entry runs the defaults), e.g. AB=";DFLASH_L2_PREFETCH=0;DFLASH_PDL=0".
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   IFS=';' read -ra variants <<< "${AB:-;DFLASH_L2_PREFETCH=0}"
   for i in "${!variants[@]}"; do
     echo "== A/B $i: ${variants[$i]:-defaults} =="
@@ -170,8 +170,7 @@ fi
 if [[ " $steps " == *" builds "* ]]; then
   # A/B of two builds (pack-builds): bench-step with the baseline binary, then with this build,
   # alternating for ROUNDS rounds (default 2).
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:$LD_LIBRARY_PATH" exec "%s" "$@"\n' "$PWD/build-dev/lib" \
     "$PWD/base/build-dev/dflash" > build-dev/dflash-base-run
   chmod +x build-dev/dflash-base-run
@@ -190,8 +189,7 @@ if [[ $steps == *serving* ]]; then
   # Step times with the 8B-shaped random pair (the Qwen3 tokenizer from the test fixtures; its
   # random drafts are never accepted), tau with the bundled pair.
   echo "== serving sweeps on the GPU =="
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$ckpt/qwen3-8b/"
   # The KV cache takes 0.9 of the memory left after the weights (--gpu-memory-fraction on a GPU).
   python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
@@ -208,8 +206,7 @@ if [[ $steps == *sampling* ]]; then
   # copied to the host): per-step times from `generate --json`, 8B-shaped random pair (drafts
   # never accepted) and the bundled pair.
   echo "== sampled generation: top-k candidates on the GPU and on the host =="
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   ids=$(python3 -c "import random; r = random.Random(9); print(','.join(str(r.randrange(151669)) for _ in range(64)))")
   sample="--temperature 0.6 --top-k 20 --top-p 0.95 --seed 7 --json"
   : > "$out/sampling_gpu.txt"
@@ -231,8 +228,7 @@ if [[ " $steps " == *" graphs "* ]]; then
   # launched op by op (DFLASH_GRAPHS=0): 8B-shaped random pair (drafts never accepted) and the
   # bundled pair.
   echo "== generate: CUDA-graph replays against op-by-op launches =="
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
-  [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
+  random_8b_pair
   ids=$(python3 -c "import random; r = random.Random(9); print(','.join(str(r.randrange(151669)) for _ in range(512)))")
   : > "$out/generate_graphs_gpu.txt"
   for run in 1 2; do

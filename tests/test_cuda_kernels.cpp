@@ -120,6 +120,69 @@ TEST_F(CudaOps, SkinnyMatmulRowsDoNotDependOnTheBatch) {
   }
 }
 
+// Several row groups of one weight in one product (the draft's k/v rows of every layer) give each
+// group's own product, bit for bit, and the CPU's values.
+TEST_F(CudaOps, RowGroupProductsEqualEachGroupsProduct) {
+  struct Case { int64_t first, rows, step; int count; int64_t k; };
+  // The second: as many output features as take two tiles a block on an H100.
+  for (const Case& c : {Case{128, 128, 384, 5, 256}, Case{1024, 2048, 3072, 5, 256}, Case{0, 64, 64, 3, 72}}) {
+    auto w = random(c.first + (c.count - 1) * c.step + c.rows + 16, c.k, 0.05f);
+    const RowGroups g{c.first, c.rows, c.step, c.count};
+    for (int64_t m : {1, 16, 32}) {
+      auto x = random(m, c.k), out = poisoned(m, c.count * c.rows);
+      cpu->matmul_row_groups(x.c, w.c, g, out.c);
+      gpu->matmul_row_groups(x.g, w.g, g, out.g);
+      const std::string what = testing::PrintToString(std::vector<int64_t>{c.first, c.rows, c.step, c.count, m});
+      expect_close(out, what);
+      const std::vector<float> all = gpu->to_host(out.g);
+      for (int i = 0; i < c.count; ++i) {
+        Tensor one = gpu->alloc(m, c.rows);
+        gpu->matmul(x.g, w.g.slice_rows(c.first + i * c.step, c.rows), nullptr, one);
+        const std::vector<float> alone = gpu->to_host(one);
+        for (int64_t r = 0; r < m; ++r)
+          ASSERT_TRUE(std::equal(alone.begin() + r * c.rows, alone.begin() + (r + 1) * c.rows,
+                                 all.begin() + r * c.count * c.rows + i * c.rows))
+              << what << " group " << i << " row " << r;
+      }
+    }
+  }
+  auto x = random(2, 256), w = random(512, 256), out = poisoned(2, 3 * 128);
+  EXPECT_THROW(gpu->matmul_row_groups(x.g, w.g, RowGroups{128, 128, 192, 3}, out.g), Error) << "past the weight";
+}
+
+// Several layers' k norm + RoPE + cache writes in one call equal the layers' own calls, bit for bit.
+TEST_F(CudaOps, KvRopeWriteLayersEqualsEachLayer) {
+  const int n_kv = 2, hd = 128, n_layers = 3, rows = 5;
+  const int64_t width = 2 * n_kv * hd;
+  auto kv = random(rows, n_layers * width);
+  auto norm0 = random(1, hd), norm2 = random(1, hd);
+  const std::vector<const Tensor*> norms_g{&norm0.g, nullptr, &norm2.g}, norms_c{&norm0.c, nullptr, &norm2.c};
+  std::vector<float> inv_freq(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(1e6f, -2.0f * i / hd);
+  const std::vector<int32_t> positions{0, 7, 300, 301, 1000}, slots{3, 17, 40, 41, 9};
+  KvCache together = gpu->alloc_kv(n_layers, 4, 16, n_kv, hd), apart = gpu->alloc_kv(n_layers, 4, 16, n_kv, hd);
+  KvCache on_cpu = cpu->alloc_kv(n_layers, 4, 16, n_kv, hd);
+  Tensor kv2 = gpu->alloc(rows, n_layers * width);
+  gpu->gather_rows(kv.g, {0, 1, 2, 3, 4}, kv2);  // a copy: the calls rotate keys in place
+  gpu->kv_rope_write_layers(kv.g, n_kv, hd, norms_g, 1e-6f, positions, inv_freq, together.k, together.v, slots);
+  cpu->kv_rope_write_layers(kv.c, n_kv, hd, norms_c, 1e-6f, positions, inv_freq, on_cpu.k, on_cpu.v, slots);
+  for (int l = 0; l < n_layers; ++l) {
+    Tensor layer = kv2.slice_cols(l * width, width);
+    gpu->qkv_rope_kv_write(layer, 0, n_kv, hd, nullptr, norms_g[l], 1e-6f, positions, inv_freq, apart.k[l], apart.v[l],
+                           slots);
+  }
+  for (int l = 0; l < n_layers; ++l) {
+    for (int32_t slot : slots) {
+      const auto a = gpu->to_host(together.k[l].slice_rows(slot, 1)), b = gpu->to_host(apart.k[l].slice_rows(slot, 1));
+      const auto c = gpu->to_host(together.v[l].slice_rows(slot, 1)), d = gpu->to_host(apart.v[l].slice_rows(slot, 1));
+      ASSERT_EQ(a, b) << "layer " << l << " key slot " << slot;
+      ASSERT_EQ(c, d) << "layer " << l << " value slot " << slot;
+      const double err = test::rel_l2_error(a, cpu->to_host(on_cpu.k[l].slice_rows(slot, 1)));
+      EXPECT_LE(err, kBound) << "layer " << l << " key slot " << slot << " vs the CPU";
+    }
+  }
+}
+
 TEST_F(CudaOps, EmbedAndGatherRowsIntoAColumnSlice) {
   auto table = random(300, 72);
   std::vector<int32_t> ids(37);
@@ -302,7 +365,9 @@ TEST_F(CudaOps, FusedMatmulSwigluMatchesTheSeparateOps) {
   }
 }
 
-// Products that normalize their own input rows (a few rows; more rows take the two steps).
+// Products that normalize their own input rows (a few rows; more rows take the two steps). With a
+// delta, the new residual rows also go to a capture (a column slice, as the layer outputs that the
+// DFlash draft reads), rounded to bf16.
 TEST_F(CudaOps, NormMatmulEqualsTheSeparateOps) {
   const int64_t shapes[][2] = {{1000, 136}, {6144, 4096}, {4096, 4096}};
   for (bool f32 : {false, true}) {
@@ -316,22 +381,29 @@ TEST_F(CudaOps, NormMatmulEqualsTheSeparateOps) {
             auto w = random(w_rows, k, 0.05f);
             auto b = random(1, w_rows), out = poisoned(m, n), res_out = f32 ? poisoned_f32(m, k) : poisoned(m, k);
             const std::string what = testing::PrintToString(std::vector<int64_t>{m, n, k, swiglu, with_delta, f32});
+            Tensor captures = gpu->alloc(m, 2 * k), captures2 = gpu->alloc(m, 2 * k);
+            Tensor cap = captures.slice_cols(k, k), cap2 = captures2.slice_cols(k, k);
             auto run = [&](Backend& be, Backend& as, const Tensor& r, const Tensor& d, Tensor& ro, const Tensor& nw,
-                           const Tensor& wt, const Tensor& bias, Tensor& o) {
-              ResidualNorm rn{&r, with_delta ? &d : nullptr, with_delta ? &ro : nullptr, &nw, 1e-6f};
+                           const Tensor& wt, const Tensor& bias, Tensor& o, Tensor* c) {
+              ResidualNorm rn{&r, with_delta ? &d : nullptr, with_delta ? &ro : nullptr, &nw, 1e-6f,
+                              with_delta ? c : nullptr};
               Tensor h = be.alloc(m, k), gu = be.alloc(m, w_rows);
               if (&as == &be) be.norm_matmul(rn, h, wt, &bias, o, swiglu ? &gu : nullptr);
               else be.Backend::norm_matmul(rn, h, wt, &bias, o, swiglu ? &gu : nullptr);
             };
-            run(*gpu, *gpu, res.g, delta.g, res_out.g, norm_w.g, w.g, b.g, out.g);
+            run(*gpu, *gpu, res.g, delta.g, res_out.g, norm_w.g, w.g, b.g, out.g, &cap);
             Tensor out2 = gpu->alloc(m, n), res_out2 = f32 ? gpu->alloc_f32(m, k) : gpu->alloc(m, k);
-            run(*gpu, *cpu, res.g, delta.g, res_out2, norm_w.g, w.g, b.g, out2);  // the separate ops
-            run(*cpu, *cpu, res.c, delta.c, res_out.c, norm_w.c, w.c, b.c, out.c);
+            run(*gpu, *cpu, res.g, delta.g, res_out2, norm_w.g, w.g, b.g, out2, &cap2);  // the separate ops
+            run(*cpu, *cpu, res.c, delta.c, res_out.c, norm_w.c, w.c, b.c, out.c, nullptr);
             EXPECT_EQ(gpu->to_host(out.g), gpu->to_host(out2)) << what;
             expect_close(out, what);
             if (with_delta) {
               EXPECT_EQ(gpu->to_host(res_out.g), gpu->to_host(res_out2)) << what;
               expect_close(res_out, what + " residual");
+              Tensor gathered = gpu->alloc(m, k);
+              gpu->capture_rows(res_out.g, gathered);
+              EXPECT_EQ(gpu->to_host(cap), gpu->to_host(gathered)) << what << " capture";
+              EXPECT_EQ(gpu->to_host(cap2), gpu->to_host(gathered)) << what << " capture, separate ops";
             }
             expect_close(res, what + " input untouched");
           }

@@ -20,6 +20,22 @@ UploadShape upload_shape(const std::vector<const TensorInfo*>& parts) {
   return s;
 }
 
+void Backend::check_row_groups(const Tensor& x, const Tensor& w, const RowGroups& g, const Tensor& out) {
+  check(g.count >= 1 && g.rows >= 1 && g.first >= 0 && (g.count == 1 || g.step >= g.rows), "row groups: ", g.count,
+        " groups of ", g.rows, " rows from row ", g.first, ", ", g.step, " apart, are not valid");
+  check(g.first + (g.count - 1) * g.step + g.rows <= w.rows, "row groups: the last group ends past the weight's ",
+        w.rows, " rows");
+  check(x.cols == w.cols && out.rows == x.rows && out.cols == g.count * g.rows, "row groups: product shape mismatch");
+}
+
+void Backend::check_kv_layers(const Tensor& kv, int64_t width, const std::vector<const Tensor*>& k_norms,
+                              const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches) {
+  check(!k_caches.empty() && k_norms.size() == k_caches.size() && v_caches.size() == k_caches.size(),
+        "kv layers: one k norm, k cache and v cache per layer");
+  check(kv.cols == static_cast<int64_t>(k_caches.size()) * width, "kv layers: ", kv.cols, " columns for ",
+        k_caches.size(), " layers of ", width);
+}
+
 std::vector<TopCandidates> Backend::top_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
                                                    const std::vector<float>& temperature,
                                                    const std::vector<int32_t>& top_k) {

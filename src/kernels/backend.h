@@ -61,6 +61,15 @@ struct ResidualNorm {
   Tensor* residual_out = nullptr;
   const Tensor* weight = nullptr;
   float eps = 0.0f;
+  // With delta: residual_out's rows also go here, rounded to the activation type (gather_rows'
+  // result; e.g. a column slice of the target's captured layer outputs).
+  Tensor* capture = nullptr;
+};
+
+// Row groups of a weight: `count` groups of `rows` rows, group g starting at row first + g * step.
+struct RowGroups {
+  int64_t first = 0, rows = 0, step = 0;
+  int count = 0;
 };
 
 // Shape of an upload: checkpoint tensors stacked along rows (2-D, same column
@@ -148,9 +157,19 @@ class Backend {
     if (gate_up) matmul_swiglu(h, w, bias, *gate_up, out);
     else matmul(h, w, bias, out);
   }
-  void norm_in(const ResidualNorm& n, Tensor& h) {
-    if (n.delta) add_rms_norm(*n.residual, *n.delta, *n.residual_out, *n.weight, n.eps, h);
-    else rms_norm(*n.residual, *n.weight, n.eps, h);
+  virtual void norm_in(const ResidualNorm& n, Tensor& h) {
+    if (n.delta) {
+      add_rms_norm(*n.residual, *n.delta, *n.residual_out, *n.weight, n.eps, h);
+      if (n.capture) capture_rows(*n.residual_out, *n.capture);
+    } else {
+      rms_norm(*n.residual, *n.weight, n.eps, h);
+    }
+  }
+  // out = src rows 0, 1, ... (gather_rows of every row)
+  void capture_rows(const Tensor& src, Tensor& out) {
+    std::vector<int32_t> rows(static_cast<size_t>(src.rows));
+    for (size_t r = 0; r < rows.size(); ++r) rows[r] = static_cast<int32_t>(r);
+    gather_rows(src, rows, out);
   }
   // cache rows slots[r] <- k[r], v[r]
   virtual void kv_write(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
@@ -167,6 +186,30 @@ class Backend {
     head_norm_rope(q, n_heads, head_dim, q_norm, eps, positions, inv_freq);
     head_norm_rope(k, n_kv_heads, head_dim, k_norm, eps, positions, inv_freq);
     kv_write(k, v, k_cache, v_cache, slots);
+  }
+  // out[:, g * groups.rows + j] = x * w[groups.first + g * groups.step + j]^T: the products of
+  // several row groups of one weight at once (the draft's k/v rows of every layer, which lie in
+  // one allocation of its q/k/v weights).
+  virtual void matmul_row_groups(const Tensor& x, const Tensor& w, const RowGroups& groups, Tensor& out) {
+    check_row_groups(x, w, groups, out);
+    for (int g = 0; g < groups.count; ++g) {
+      Tensor og = out.slice_cols(g * groups.rows, groups.rows);
+      matmul(x, w.slice_rows(groups.first + g * groups.step, groups.rows), nullptr, og);
+    }
+  }
+  // Several layers' k/v rows: kv = [k | v] of layer 0, [k | v] of layer 1, ... (as many as k_caches):
+  // per layer, qkv_rope_kv_write with no query heads (k_norms[l] may be null) into its cache.
+  virtual void kv_rope_write_layers(Tensor& kv, int n_kv_heads, int head_dim, const std::vector<const Tensor*>& k_norms,
+                                    float eps, const std::vector<int32_t>& positions, const std::vector<float>& inv_freq,
+                                    std::vector<Tensor>& k_caches, std::vector<Tensor>& v_caches,
+                                    const std::vector<int32_t>& slots) {
+    const int64_t width = int64_t{2} * n_kv_heads * head_dim;
+    check_kv_layers(kv, width, k_norms, k_caches, v_caches);
+    for (size_t l = 0; l < k_caches.size(); ++l) {
+      Tensor layer = kv.slice_cols(static_cast<int64_t>(l) * width, width);
+      qkv_rope_kv_write(layer, 0, n_kv_heads, head_dim, nullptr, k_norms[l], eps, positions, inv_freq, k_caches[l],
+                        v_caches[l], slots);
+    }
   }
   // out[r] = softmax(q[r] K^T / sqrt(d)) V over the keys each segment allows.
   virtual void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
@@ -199,6 +242,10 @@ class Backend {
                                             const std::vector<float>& temperature, const std::vector<int32_t>& top_k);
 
  protected:
+  // Argument checks of matmul_row_groups and kv_rope_write_layers (Error naming the mismatch).
+  static void check_row_groups(const Tensor& x, const Tensor& w, const RowGroups& groups, const Tensor& out);
+  static void check_kv_layers(const Tensor& kv, int64_t width, const std::vector<const Tensor*>& k_norms,
+                              const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches);
   // top_candidates for checked, non-empty arguments. This one copies the rows to the host and
   // selects there.
   virtual std::vector<TopCandidates> select_candidates(const Tensor& logits, const std::vector<int32_t>& rows,

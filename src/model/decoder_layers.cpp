@@ -6,13 +6,20 @@
 
 namespace dflash {
 
-LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i) {
+std::vector<const TensorInfo*> qkv_parts(const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i) {
+  const std::string p = cat(prefix, "layers.", i, ".");
+  const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  return {&s.get(p + "self_attn.q_proj.weight", {q_dim, h}), &s.get(p + "self_attn.k_proj.weight", {kv_dim, h}),
+          &s.get(p + "self_attn.v_proj.weight", {kv_dim, h})};
+}
+
+LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i,
+                        const Tensor* qkv) {
   const std::string p = cat(prefix, "layers.", i, ".");
   const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   LayerWeights w;
   w.attn_norm = be.upload({&s.get(p + "input_layernorm.weight", {h})});
-  w.qkv = be.upload({&s.get(p + "self_attn.q_proj.weight", {q_dim, h}), &s.get(p + "self_attn.k_proj.weight", {kv_dim, h}),
-                     &s.get(p + "self_attn.v_proj.weight", {kv_dim, h})});
+  w.qkv = qkv ? *qkv : be.upload(qkv_parts(s, c, prefix, i));
   w.o = be.upload({&s.get(p + "self_attn.o_proj.weight", {h, q_dim})});
   if (c.attention_bias) {
     w.qkv_bias = be.upload({&s.get(p + "self_attn.q_proj.bias", {q_dim}), &s.get(p + "self_attn.k_proj.bias", {kv_dim}),
@@ -60,24 +67,26 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   Tensor x2 = be.alloc_f32(n, c.n_embd);
   Tensor* cur = &x;
   Tensor* next = &x2;
-  std::vector<int32_t> all_rows(static_cast<size_t>(n));  // for layer-output capture
-  for (int64_t r = 0; r < n; ++r) all_rows[r] = static_cast<int32_t>(r);
-  auto capture = [&](size_t l, const Tensor& out) {  // layer l's output
-    if (!in.capture_layers) return;
-    for (size_t k_idx = 0; k_idx < in.capture_layers->size(); ++k_idx) {
-      if ((*in.capture_layers)[k_idx] != static_cast<int>(l)) continue;
-      Tensor dst = in.captured->slice_cols(static_cast<int64_t>(k_idx) * c.n_embd, c.n_embd);
-      be.gather_rows(out, all_rows, dst);
-    }
+  // Layer-output capture: the features' column slices that layer l's output goes to.
+  auto capture_slices = [&](size_t l) {
+    std::vector<Tensor> slices;
+    if (!in.capture_layers) return slices;
+    for (size_t k_idx = 0; k_idx < in.capture_layers->size(); ++k_idx)
+      if ((*in.capture_layers)[k_idx] == static_cast<int>(l))
+        slices.push_back(in.captured->slice_cols(static_cast<int64_t>(k_idx) * c.n_embd, c.n_embd));
+    return slices;
   };
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
-    // delta holds the previous layer's MLP output, not yet added to the stream.
-    ResidualNorm attn_in{cur, l > 0 ? &delta : nullptr, l > 0 ? next : nullptr, &w.attn_norm, c.rms_norm_eps};
+    // delta holds the previous layer's MLP output, not yet added to the stream; the norm that adds
+    // it also writes the previous layer's output to the features when that layer is captured.
+    std::vector<Tensor> captures = l > 0 ? capture_slices(l - 1) : std::vector<Tensor>{};
+    ResidualNorm attn_in{cur, l > 0 ? &delta : nullptr, l > 0 ? next : nullptr, &w.attn_norm, c.rms_norm_eps,
+                         captures.empty() ? nullptr : &captures[0]};
     be.norm_matmul(attn_in, h, w.qkv, opt(w.qkv_bias), qkv);
     if (l > 0) {
       std::swap(cur, next);
-      capture(l - 1, *cur);
+      for (size_t i = 1; i < captures.size(); ++i) be.capture_rows(*cur, captures[i]);  // a layer listed twice
     }
     const AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
     be.qkv_attention(qkv, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps, inv_freq, *in.kv_slots, in.cache->k[l],
@@ -89,7 +98,7 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     be.matmul(act, w.down, opt(w.down_bias), delta);
   }
   be.add_rms_norm(*cur, delta, x, final_norm, c.rms_norm_eps, h);  // x is the last layer's output
-  capture(layers.size() - 1, x);
+  for (Tensor& slice : capture_slices(layers.size() - 1)) be.capture_rows(x, slice);
   return h;
 }
 

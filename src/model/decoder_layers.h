@@ -38,7 +38,12 @@ inline int64_t tensor_bytes(const Tensor& t) { return t.empty() ? 0 : t.rows * t
 int64_t layer_bytes(const LayerWeights& w);
 
 // Loads layer `i` with tensor names `prefix`layers.i.*, checking every shape.
-LayerWeights load_layer(Backend& be, const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i);
+// The q/k/v weight parts of layer i, in the order they stack (q_proj, k_proj, v_proj), shape-checked.
+std::vector<const TensorInfo*> qkv_parts(const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i);
+// Uploads layer i; with `qkv`, that tensor (already uploaded, e.g. a slice of several layers'
+// weights in one allocation) is its q/k/v weight.
+LayerWeights load_layer(Backend& be, const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i,
+                        const Tensor* qkv = nullptr);
 
 // Per-call inputs of the decoder stack.
 struct StackInputs {

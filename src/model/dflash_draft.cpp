@@ -20,7 +20,15 @@ DraftModel::DraftModel(Backend& be, const std::string& dir, const TargetModel& t
   w_.fc = be.upload({&store.get("fc.weight", {h, n_ctx * h})});
   w_.hidden_norm = be.upload({&store.get("hidden_norm.weight", {h})});
   w_.final_norm = be.upload({&store.get("norm.weight", {h})});
-  for (int i = 0; i < c.n_layers; ++i) w_.layers.push_back(load_layer(be, store, c, "", i));
+  std::vector<const TensorInfo*> qkv;
+  for (int i = 0; i < c.n_layers; ++i)
+    for (const TensorInfo* part : qkv_parts(store, c, "", i)) qkv.push_back(part);
+  w_.qkv_all = be.upload(qkv);
+  const int64_t per_layer = w_.qkv_all.rows / c.n_layers;
+  for (int i = 0; i < c.n_layers; ++i) {
+    const Tensor layer_qkv = w_.qkv_all.slice_rows(i * per_layer, per_layer);
+    w_.layers.push_back(load_layer(be, store, c, "", i, &layer_qkv));
+  }
   inv_freq_ = rope_inv_freq(c.rope, c.head_dim);
 }
 
@@ -44,6 +52,17 @@ void DraftModel::project_context(const Tensor& features, const ForwardBatch& bat
   Tensor ctx = be_.alloc(n, c.n_embd);
   be_.matmul(features, w_.fc, nullptr, projected);
   be_.rms_norm(projected, w_.hidden_norm, c.rms_norm_eps, ctx);
+  if (w_.layers[0].qkv_bias.empty()) {
+    // Every layer's k/v rows in one product, then one k norm + RoPE + cache write for all layers.
+    const int n_layers = static_cast<int>(w_.layers.size());
+    Tensor kv = be_.alloc(n, n_layers * 2 * kv_dim);
+    be_.matmul_row_groups(ctx, w_.qkv_all, RowGroups{q_dim, 2 * kv_dim, q_dim + 2 * kv_dim, n_layers}, kv);
+    std::vector<const Tensor*> k_norms;
+    for (const LayerWeights& w : w_.layers) k_norms.push_back(w.k_norm.empty() ? nullptr : &w.k_norm);
+    be_.kv_rope_write_layers(kv, c.n_kv_heads, c.head_dim, k_norms, c.rms_norm_eps, batch.positions, inv_freq_, cache.k,
+                             cache.v, batch.kv_slots);
+    return;
+  }
   Tensor kv = be_.alloc(n, 2 * kv_dim);
   for (size_t l = 0; l < w_.layers.size(); ++l) {
     const LayerWeights& w = w_.layers[l];

@@ -19,6 +19,9 @@ struct DraftWeights {
   Tensor hidden_norm;  // [1, n_embd]
   Tensor final_norm;   // [1, n_embd]  norm
   std::vector<LayerWeights> layers;
+  // Every layer's q/k/v weight in one allocation, layer after layer (layers[l].qkv are its slices),
+  // so that the context's k/v rows of all layers are one product.
+  Tensor qkv_all;
 };
 
 class DraftModel {

@@ -487,6 +487,25 @@ class CudaBackend final : public Backend {
     cuda::launch_skinny_gemm_norm(rn, n.residual->rows, mat(w), bias ? static_cast<const bf16*>(bias->data) : nullptr,
                                   mat(out), gate_up != nullptr, props_.multiProcessorCount, s_);
     CUDA_CHECK_LAUNCH();
+    if (n.capture) capture_rows(*n.residual_out, *n.capture);
+  }
+
+  // The RMSNorm kernel writes the capture too (no gather after it).
+  void norm_in(const ResidualNorm& n, Tensor& h) override {
+    if (!n.delta || !n.capture) return Backend::norm_in(n, h);
+    const Tensor &r = *n.residual, &ro = *n.residual_out, &c = *n.capture;
+    check(residual_dtype(r) && ro.dtype == r.dtype,
+          "cuda backend: add_rms_norm needs the residual and its output in one type (F32 or BF16)");
+    require_bf16(*n.delta, "add_rms_norm delta");
+    require_bf16(h, "add_rms_norm output");
+    require_bf16(c, "layer-output capture");
+    check(c.rows == r.rows && c.cols == r.cols, "cuda backend: layer-output capture shape mismatch");
+    const bf16* w = static_cast<const bf16*>(n.weight->data);
+    if (!cuda::add_rms_norm_captures(rows_of(r), mat(*n.delta), rows_of(ro), w, mat(h), mat(c)))
+      return Backend::norm_in(n, h);
+    if (skip_launch()) return;
+    cuda::launch_add_rms_norm(rows_of(r), mat(*n.delta), rows_of(ro), w, n.eps, mat(h), s_, mat(c));
+    CUDA_CHECK_LAUNCH();
   }
 
   // The kernels' view of a ResidualNorm; residual stays null when a tensor is not bf16 or the
@@ -560,6 +579,53 @@ class CudaBackend final : public Backend {
     cuda::launch_qkv_rope_kv_write(mat(qkv), n_heads, n_kv_heads, head_dim, ptr(q_norm), ptr(k_norm), eps,
                                    d_positions, device_inv_freq(inv_freq), mat(k_cache), mat(v_cache), d_slots,
                                    s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void kv_rope_write_layers(Tensor& kv, int n_kv_heads, int head_dim, const std::vector<const Tensor*>& k_norms,
+                            float eps, const std::vector<int32_t>& positions, const std::vector<float>& inv_freq,
+                            std::vector<Tensor>& k_caches, std::vector<Tensor>& v_caches,
+                            const std::vector<int32_t>& slots) override {
+    const int64_t width = int64_t{2} * n_kv_heads * head_dim;
+    check_kv_layers(kv, width, k_norms, k_caches, v_caches);
+    const int n = static_cast<int>(k_caches.size());
+    bool same_layout = n <= cuda::kMaxKvLayers;
+    for (int l = 0; l < n && same_layout; ++l)
+      same_layout = k_caches[l].stride == k_caches[0].stride && v_caches[l].stride == v_caches[0].stride &&
+                    k_caches[l].rows == k_caches[0].rows && v_caches[l].rows == k_caches[0].rows;
+    if (!same_layout)
+      return Backend::kv_rope_write_layers(kv, n_kv_heads, head_dim, k_norms, eps, positions, inv_freq, k_caches,
+                                           v_caches, slots);
+    check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
+    check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+    check(static_cast<int64_t>(positions.size()) == kv.rows && static_cast<int64_t>(slots.size()) == kv.rows,
+          "cuda backend: one position and one slot per kv row");
+    for (int32_t slot : slots) check(slot >= 0 && slot < k_caches[0].rows, "cuda backend: KV slot out of range");
+    cuda::KvLayers layers;
+    layers.n = n;
+    layers.k_stride = k_caches[0].stride;
+    layers.v_stride = v_caches[0].stride;
+    for (int l = 0; l < n; ++l) {
+      layers.k_norm[l] = k_norms[l] ? static_cast<const bf16*>(k_norms[l]->data) : nullptr;
+      layers.k_cache[l] = static_cast<bf16*>(k_caches[l].data);
+      layers.v_cache[l] = static_cast<bf16*>(v_caches[l].data);
+    }
+    const int32_t* d_positions = stage(positions);
+    const int32_t* d_slots = stage(slots);
+    if (skip_launch()) return;
+    cuda::launch_kv_rope_write_layers(mat(kv), n_kv_heads, head_dim, layers, eps, d_positions,
+                                      device_inv_freq(inv_freq), d_slots, s_);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  void matmul_row_groups(const Tensor& x, const Tensor& w, const RowGroups& g, Tensor& out) override {
+    check_row_groups(x, w, g, out);
+    require_bf16(x, "matmul input");
+    require_bf16(w, "matmul weight");
+    const cuda::Mat first = mat(w.slice_rows(g.first, g.rows));
+    if (!cuda::skinny_gemm_groups_supported(mat(x), first, g.count)) return Backend::matmul_row_groups(x, w, g, out);
+    if (skip_launch()) return;
+    cuda::launch_skinny_gemm_groups(mat(x), first, g.count, g.step, mat(out), props_.multiProcessorCount, s_);
     CUDA_CHECK_LAUNCH();
   }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <stdexcept>
 
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/env_switch.h"
@@ -110,14 +111,15 @@ template <bool kAdd, typename R>
 __global__ void __launch_bounds__(kRowThreads)
     rms_norm_vec_kernel(const R* res, int64_t res_stride, const bf16* delta, int64_t delta_stride, R* res_out,
                         int64_t res_out_stride, const bf16* w, float eps, int cols, bf16* out, int64_t out_stride,
-                        int release_first) {
+                        int release_first, bf16* cap, int64_t cap_stride) {
   if (release_first) pdl_release();  // see norm_releases_first
   pdl_begin();
   const int64_t r = blockIdx.x;
   bf16* o = out + r * out_stride;
   norm_row<kAdd>(res + r * res_stride, kAdd ? delta + r * delta_stride : nullptr,
                  kAdd ? res_out + r * res_out_stride : nullptr, w, eps, cols,
-                 [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(o + 8 * i) = y; });
+                 [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(o + 8 * i) = y; },
+                 cap ? cap + r * cap_stride : nullptr);
 }
 
 // One warp per (row, head); lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ...
@@ -209,6 +211,24 @@ __global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads,
   for (int i = lane; i < head_dim; i += 32) vc[slot * vc_stride + off + i] = v[i];
 }
 
+// qkv_rope_kv_write_kernel's key and value work for several layers (blockIdx.y: the layer), from
+// kv = [k | v] per layer.
+__global__ void kv_rope_write_layers_kernel(bf16* kv, int64_t stride, int n_kv_heads, int head_dim, KvLayers layers,
+                                            float eps, const int32_t* positions, const float* inv_freq,
+                                            const int32_t* slots, int64_t n_items) {
+  pdl_begin();
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (item >= n_items) return;
+  const int lane = threadIdx.x % 32, l = blockIdx.y;
+  const int64_t row = item / n_kv_heads, kv_dim = static_cast<int64_t>(n_kv_heads) * head_dim;
+  const int64_t off = static_cast<int64_t>(item % n_kv_heads) * head_dim, slot = slots[row];
+  bf16* k = kv + row * stride + l * 2 * kv_dim + off;
+  norm_rope_head(k, k, layers.k_cache[l] + slot * layers.k_stride + off, head_dim, layers.k_norm[l], eps,
+                 static_cast<float>(positions[row]), inv_freq, lane);
+  const bf16* v = k + kv_dim;
+  for (int i = lane; i < head_dim; i += 32) layers.v_cache[l][slot * layers.v_stride + off + i] = v[i];
+}
+
 // table[p * half + i] = (cos, sin) of position p's rotation of pair i.
 __global__ void rope_table_kernel(float2* table, int64_t n, int half, const float* inv_freq) {
   pdl_begin();
@@ -274,14 +294,28 @@ __global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, float
   const bool vec = reinterpret_cast<uintptr_t>(r) % 16 == 0;  // lo is a multiple of 8
   float best = -FLT_MAX;
   int64_t best_i = cols;  // NaN-only rows fall back to index 0 below
-  for (int64_t c = lo + threadIdx.x * 8; c < hi; c += blockDim.x * 8) {
-    if (vec && c + 8 <= hi) {
-      float f[8];
-      unpack8(*reinterpret_cast<const uint4*>(r + c), f);
+  // kLoads pieces of 8 values a thread are requested together, then compared (one trip to memory
+  // for a slice of up to kLoads * 8 * blockDim.x values); the winner does not depend on the order.
+  constexpr int kLoads = 4;
+  const int64_t step = int64_t{blockDim.x} * 8;
+  for (int64_t c0 = lo + threadIdx.x * 8; c0 < hi; c0 += kLoads * step) {
+    uint4 raw[kLoads];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) keep_better(best, best_i, f[e], c + e);
-    } else {
-      for (int64_t i = c; i < c + 8 && i < hi; ++i) keep_better(best, best_i, ld(r + i), i);
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t c = c0 + u * step;
+      if (vec && c + 8 <= hi) raw[u] = *reinterpret_cast<const uint4*>(r + c);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t c = c0 + u * step;
+      if (vec && c + 8 <= hi) {
+        float f[8];
+        unpack8(raw[u], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) keep_better(best, best_i, f[e], c + e);
+      } else {
+        for (int64_t i = c; i < c + 8 && i < hi; ++i) keep_better(best, best_i, ld(r + i), i);
+      }
     }
   }
   block_best(best, best_i);
@@ -381,7 +415,7 @@ void rms_norm_as(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t 
   if (rows_fit_registers(x.cols, {x.stride, out.stride}, {x.data, w, out.data})) {
     launch(rms_norm_vec_kernel<false, R>, x.rows, kRowThreads, s, xd, x.stride, static_cast<const bf16*>(nullptr),
            int64_t{0}, static_cast<R*>(nullptr), int64_t{0}, w, eps, static_cast<int>(x.cols), out.data, out.stride,
-           norm_releases_first());
+           norm_releases_first(), static_cast<bf16*>(nullptr), int64_t{0});
     return;
   }
   launch(rms_norm_kernel<R>, x.rows, kRowThreads, s, xd, x.stride, w, eps, x.cols, out.data, out.stride);
@@ -393,26 +427,34 @@ void launch_rms_norm(const Rows& x, const bf16* w, float eps, Mat out, cudaStrea
   else rms_norm_as<bf16>(x, w, eps, out, s);
 }
 
+// Whether the rows take the one-pass kernel (rms_norm_vec_kernel), which also writes a capture.
+bool add_rms_norm_captures(const Rows& residual, const Mat& delta, const Rows& residual_out, const bf16* w,
+                           const Mat& out, const Mat& capture) {
+  return rows_fit_registers(residual.cols, {residual.stride, delta.stride, residual_out.stride, out.stride, capture.stride},
+                            {residual.data, delta.data, residual_out.data, w, out.data, capture.data});
+}
+
 template <typename R>
 void add_rms_norm_as(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                     cudaStream_t s) {
+                     const Mat& capture, cudaStream_t s) {
   const R* rd = static_cast<const R*>(residual.data);
   R* rod = static_cast<R*>(residual_out.data);
-  if (rows_fit_registers(residual.cols, {residual.stride, delta.stride, residual_out.stride, out.stride},
-                         {residual.data, delta.data, residual_out.data, w, out.data})) {
+  if (add_rms_norm_captures(residual, delta, residual_out, w, out, capture)) {
     launch(rms_norm_vec_kernel<true, R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride,
-           rod, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride, norm_releases_first());
+           rod, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride, norm_releases_first(),
+           capture.data, capture.stride);
     return;
   }
+  if (capture.data) throw std::logic_error("add_rms_norm: a capture needs the one-pass kernel (add_rms_norm_captures)");
   launch(add_rms_norm_kernel<R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride, rod,
          residual_out.stride, w, eps, residual.cols, out.data, out.stride);
 }
 
 void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                         cudaStream_t s) {
+                         cudaStream_t s, const Mat& capture) {
   if (residual.rows == 0) return;
-  if (residual.f32) add_rms_norm_as<float>(residual, delta, residual_out, w, eps, out, s);
-  else add_rms_norm_as<bf16>(residual, delta, residual_out, w, eps, out, s);
+  if (residual.f32) add_rms_norm_as<float>(residual, delta, residual_out, w, eps, out, capture, s);
+  else add_rms_norm_as<bf16>(residual, delta, residual_out, w, eps, out, capture, s);
 }
 
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
@@ -433,6 +475,15 @@ void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim
   launch(qkv_rope_kv_write_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s,
          qkv.data, qkv.stride, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, positions, inv_freq,
          k_cache.data, k_cache.stride, v_cache.data, v_cache.stride, slots, n_items);
+}
+
+void launch_kv_rope_write_layers(Mat kv, int n_kv_heads, int head_dim, const KvLayers& layers, float eps,
+                                 const int32_t* positions, const float* inv_freq, const int32_t* slots, cudaStream_t s) {
+  const int64_t n_items = kv.rows * n_kv_heads;
+  if (n_items == 0 || layers.n == 0) return;
+  constexpr int kWarps = 4;
+  launch(kv_rope_write_layers_kernel, dim3(static_cast<unsigned>((n_items + kWarps - 1) / kWarps), layers.n),
+         32 * kWarps, s, kv.data, kv.stride, n_kv_heads, head_dim, layers, eps, positions, inv_freq, slots, n_items);
 }
 
 void launch_rope_table(float2* table, int n_positions, int half, const float* inv_freq, cudaStream_t s) {

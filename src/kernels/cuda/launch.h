@@ -35,9 +35,12 @@ void launch_embed(const Mat& table, const int32_t* ids, const int32_t* dev_ids, 
 // out = rmsnorm(x) * w  (x may alias out when both are bf16)
 void launch_rms_norm(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t s);
 // residual_out = residual + delta (both of the residual's type, residual_out may be residual);
-// out = rmsnorm(residual_out) * w
+// out = rmsnorm(residual_out) * w. With capture (data set): residual_out's rows also go there,
+// rounded to bf16, where add_rms_norm_captures says so.
 void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                         cudaStream_t s);
+                         cudaStream_t s, const Mat& capture = Mat{nullptr, 0, 0, 0});
+bool add_rms_norm_captures(const Rows& residual, const Mat& delta, const Rows& residual_out, const bf16* w,
+                           const Mat& out, const Mat& capture);
 // In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE.
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
                            const float* inv_freq, cudaStream_t s);
@@ -47,6 +50,18 @@ void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w,
 void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim, const bf16* q_norm,
                               const bf16* k_norm, float eps, const int32_t* positions, const float* inv_freq,
                               Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s);
+// launch_qkv_rope_kv_write with no query heads for up to kMaxKvLayers layers at once: kv = [k | v]
+// of layer 0, [k | v] of layer 1, ...; k_norm[l] may be null.
+constexpr int kMaxKvLayers = 8;
+struct KvLayers {
+  int n = 0;
+  const bf16* k_norm[kMaxKvLayers] = {};
+  bf16* k_cache[kMaxKvLayers] = {};
+  bf16* v_cache[kMaxKvLayers] = {};
+  int64_t k_stride = 0, v_stride = 0;
+};
+void launch_kv_rope_write_layers(Mat kv, int n_kv_heads, int head_dim, const KvLayers& layers, float eps,
+                                 const int32_t* positions, const float* inv_freq, const int32_t* slots, cudaStream_t s);
 // table[p * half + i] = (cos, sin) of the RoPE angle p * inv_freq[i] for positions p < n_positions,
 // as launch_head_norm_rope computes it (the fused attention reads it: AttnFresh).
 void launch_rope_table(float2* table, int n_positions, int half, const float* inv_freq, cudaStream_t s);
@@ -90,6 +105,11 @@ void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float scale, cudaSt
 constexpr int kSkinnyMaxRows = 32;
 bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out);
 void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s);
+// The product of `count` row groups (Backend::matmul_row_groups): w is the first group, group g's
+// rows start g * group_step rows after it, and its outputs are columns g * w.rows, ... of out.
+bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count);
+void launch_skinny_gemm_groups(const Mat& x, const Mat& w, int count, int64_t group_step, Mat out, int n_sms,
+                               cudaStream_t s);
 // out = silu(g) * u with [g | u] = x * w^T (+ bias), w = [gate; up] of 2 * out.cols rows, g and u
 // kept in float32 (launch_skinny_gemm followed by launch_swiglu rounds them to bf16 first).
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s);

@@ -52,11 +52,11 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
 // or bf16: v = res + delta (kAdd; rounded to bf16 when R is) or res, stored to res_out when
 // that is set (it may be res: each thread loads its pieces before it stores them); then
 // y = w * v * rsqrt(mean(v^2) + eps) in float32, rounded once, given to store(i, 8 values
-// packed) for the 8-value piece i. Each thread loads all its pieces before anything is
+// packed) for the 8-value piece i. With cap, v also goes there rounded to bf16. Each thread loads all its pieces before anything is
 // stored, so a row costs one round trip to memory.
 template <bool kAdd, typename R, typename Store>
 __device__ __forceinline__ void norm_row(const R* res, const uint16_t* delta, R* res_out, const uint16_t* w, float eps,
-                                         int cols, Store store) {
+                                         int cols, Store store, uint16_t* cap = nullptr) {
   constexpr bool kF32 = sizeof(R) == 4;
   const int n_vec = cols / 8;
   float v[kVecPerThread][8];
@@ -81,6 +81,7 @@ __device__ __forceinline__ void norm_row(const R* res, const uint16_t* delta, R*
       for (int e = 0; e < 8; ++e) v[k][e] = kF32 ? v[k][e] + dd[e] : round_bf(v[k][e] + dd[e]);
     }
     if (res_out) store8(res_out + 8 * i, v[k]);
+    if (cap) store8(cap + 8 * i, v[k]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
   }

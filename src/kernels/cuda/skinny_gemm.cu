@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
                                                                   bf16* __restrict__ out, int64_t out_stride,
-                                                                  RowNorm norm, int l2_hint) {
+                                                                  RowNorm norm, int l2_hint, int64_t w_group_step,
+                                                                  int out_group_cols) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
   constexpr int S = kStages<MT, RT, kNorm, kWide>;
@@ -101,6 +102,9 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * features_per_block(RT, kSwiglu);
+  // Row groups (launch_skinny_gemm_groups): blockIdx.y is the group, N its rows.
+  w += blockIdx.y * w_group_step;
+  out += blockIdx.y * out_group_cols;
   St* ring = reinterpret_cast<St*>(smem_raw) + warp * S;
   bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide>());  // kNorm: [M][norm_row_elems(K)]
 
@@ -274,8 +278,17 @@ size_t launch_smem_bytes(int M, int64_t K) {
   return smem_bytes<MT, RT, kNorm>() + (kNorm ? sizeof(bf16) * M * norm_row_elems(K) : 0);
 }
 
+// Row groups of a launch (grid.y): group g's weight rows start g * w_step elements after the first
+// group's, its outputs g * out_cols columns after the first group's.
+struct Groups {
+  unsigned count = 1;
+  int64_t w_step = 0;
+  int out_cols = 0;
+};
+
 template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16, bool kWide = false>
-void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s) {
+void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s,
+                  Groups groups = {}) {
   static const bool configured = [] {
     CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -289,19 +302,20 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   static_assert(!(kWide && kNorm), "the normalizing form has no wide blocks");
   const size_t smem =
       kWide ? smem_bytes<MT, RT, false, true>() : launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols);
-  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>, blocks, kWarps * 32, smem, s, x.data, x.stride,
+  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>, dim3(blocks, groups.count), kWarps * 32, smem, s,
+              x.data, x.stride,
               static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
-              out.data, out.stride, norm, weight_l2_hint());
+              out.data, out.stride, norm, weight_l2_hint(), groups.w_step, groups.out_cols);
 }
 
 template <int RT, bool kSwiglu = false, bool kWide = false>
-void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {
+void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s, Groups groups = {}) {
   const RowNorm none{};
   switch ((x.rows + 7) / 8) {
-    case 1: return launch_tiles<1, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s);
-    case 2: return launch_tiles<2, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s);
-    case 3: return launch_tiles<3, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s);
-    default: return launch_tiles<4, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s);
+    case 1: return launch_tiles<1, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups);
+    case 2: return launch_tiles<2, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups);
+    case 3: return launch_tiles<3, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups);
+    default: return launch_tiles<4, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups);
   }
 }
 
@@ -343,6 +357,25 @@ void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, i
   }
   if (two_row_tiles(w, n_sms)) launch_rt<2>(x, w, bias, out, s);
   else launch_rt<1>(x, w, bias, out, s);
+}
+
+bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count) {
+  return skinny_gemm_supported(x, w, Mat{}) && count >= 1 && count <= 65535 && w.rows * count < (int64_t{1} << 31);
+}
+
+void launch_skinny_gemm_groups(const Mat& x, const Mat& w, int count, int64_t group_step, Mat out, int n_sms,
+                               cudaStream_t s) {
+  const Groups groups{static_cast<unsigned>(count), group_step * w.stride, static_cast<int>(w.rows)};
+  Mat all = w;  // the blocks' shape follows from all the groups' rows together
+  all.rows = w.rows * count;
+  switch (wide_row_tiles(all, x.rows, n_sms)) {
+    case 0: break;
+    case 2: return launch_rt<2, false, true>(x, w, nullptr, out, s, groups);
+    case 3: return launch_rt<3, false, true>(x, w, nullptr, out, s, groups);
+    default: return launch_rt<4, false, true>(x, w, nullptr, out, s, groups);
+  }
+  if (two_row_tiles(all, n_sms)) launch_rt<2>(x, w, nullptr, out, s, groups);
+  else launch_rt<1>(x, w, nullptr, out, s, groups);
 }
 
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {

@@ -95,7 +95,7 @@ void bench_kernels(Backend& be, TargetModel& target, int page_size, StepBenchRep
   const LayerWeights& l0 = target.weights().layers[0];
   const std::pair<const char*, const Tensor*> weights[] = {
       {"qkv", &l0.qkv}, {"o", &l0.o}, {"gate_up", &l0.gate_up}, {"down", &l0.down}, {"lm_head", &target.weights().lm_head}};
-  for (int m : {1, 16, 128}) {
+  for (int m : {1, 16, 32, 128}) {  // decode, a verification block, batch 32, prefill
     for (const auto& [name, w] : weights) {
       Tensor x = be.alloc(m, w->cols), out = be.alloc(m, w->rows);
       be.fill_random(x, 7, 1.0f);

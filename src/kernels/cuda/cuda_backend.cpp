@@ -554,8 +554,7 @@ class CudaBackend final : public Backend {
 
   void head_norm_rope(Tensor& x, int n_heads, int head_dim, const Tensor* norm_weight, float eps,
                       const std::vector<int32_t>& positions, const std::vector<float>& inv_freq) override {
-    check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
-    check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+    check_rope(head_dim, inv_freq);
     const int32_t* d_positions = stage(positions);
     if (skip_launch()) return;
     cuda::launch_head_norm_rope(mat(x), n_heads, head_dim,
@@ -568,8 +567,7 @@ class CudaBackend final : public Backend {
                          const Tensor* k_norm, float eps, const std::vector<int32_t>& positions,
                          const std::vector<float>& inv_freq, Tensor& k_cache, Tensor& v_cache,
                          const std::vector<int32_t>& slots) override {
-    check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
-    check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+    check_rope(head_dim, inv_freq);
     check(qkv.cols == int64_t{n_heads + 2 * n_kv_heads} * head_dim, "cuda backend: qkv shape mismatch");
     for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
     auto ptr = [](const Tensor* t) { return t ? static_cast<const bf16*>(t->data) : nullptr; };
@@ -596,8 +594,7 @@ class CudaBackend final : public Backend {
     if (!same_layout)
       return Backend::kv_rope_write_layers(kv, n_kv_heads, head_dim, k_norms, eps, positions, inv_freq, k_caches,
                                            v_caches, slots);
-    check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
-    check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+    check_rope(head_dim, inv_freq);
     check(static_cast<int64_t>(positions.size()) == kv.rows && static_cast<int64_t>(slots.size()) == kv.rows,
           "cuda backend: one position and one slot per kv row");
     for (int32_t slot : slots) check(slot >= 0 && slot < k_caches[0].rows, "cuda backend: KV slot out of range");
@@ -929,6 +926,11 @@ class CudaBackend final : public Backend {
   }
 
   // Restaging runs the host side only.
+  // The head size and RoPE table the rotating kernels take.
+  static void check_rope(int head_dim, const std::vector<float>& inv_freq) {
+    check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
+    check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+  }
   bool skip_launch() const { return restage_ != nullptr; }
   bool graph_mode() const { return capturing_ || restage_; }
 

@@ -348,15 +348,23 @@ bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out) {
          aligned16(x.data) && aligned16(w.data) && w.rows < (int64_t{1} << 31) && w.cols < (int64_t{1} << 31);
 }
 
-void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s) {
-  switch (wide_row_tiles(w, x.rows, n_sms)) {
+namespace {
+// The block shape for all of a launch's groups together (`all`: every group's rows), then the launch.
+void launch_tiled(const Mat& x, const Mat& w, const Mat& all, const bf16* bias, Mat out, Groups groups, int n_sms,
+                  cudaStream_t s) {
+  switch (wide_row_tiles(all, x.rows, n_sms)) {
     case 0: break;
-    case 2: return launch_rt<2, false, true>(x, w, bias, out, s);
-    case 3: return launch_rt<3, false, true>(x, w, bias, out, s);
-    default: return launch_rt<4, false, true>(x, w, bias, out, s);
+    case 2: return launch_rt<2, false, true>(x, w, bias, out, s, groups);
+    case 3: return launch_rt<3, false, true>(x, w, bias, out, s, groups);
+    default: return launch_rt<4, false, true>(x, w, bias, out, s, groups);
   }
-  if (two_row_tiles(w, n_sms)) launch_rt<2>(x, w, bias, out, s);
-  else launch_rt<1>(x, w, bias, out, s);
+  if (two_row_tiles(all, n_sms)) launch_rt<2>(x, w, bias, out, s, groups);
+  else launch_rt<1>(x, w, bias, out, s, groups);
+}
+}  // namespace
+
+void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s) {
+  launch_tiled(x, w, w, bias, out, Groups{}, n_sms, s);
 }
 
 bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count) {
@@ -365,17 +373,10 @@ bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count) {
 
 void launch_skinny_gemm_groups(const Mat& x, const Mat& w, int count, int64_t group_step, Mat out, int n_sms,
                                cudaStream_t s) {
-  const Groups groups{static_cast<unsigned>(count), group_step * w.stride, static_cast<int>(w.rows)};
-  Mat all = w;  // the blocks' shape follows from all the groups' rows together
+  Mat all = w;
   all.rows = w.rows * count;
-  switch (wide_row_tiles(all, x.rows, n_sms)) {
-    case 0: break;
-    case 2: return launch_rt<2, false, true>(x, w, nullptr, out, s, groups);
-    case 3: return launch_rt<3, false, true>(x, w, nullptr, out, s, groups);
-    default: return launch_rt<4, false, true>(x, w, nullptr, out, s, groups);
-  }
-  if (two_row_tiles(all, n_sms)) launch_rt<2>(x, w, nullptr, out, s, groups);
-  else launch_rt<1>(x, w, nullptr, out, s, groups);
+  launch_tiled(x, w, all, nullptr, out, Groups{static_cast<unsigned>(count), group_step * w.stride, static_cast<int>(w.rows)},
+               n_sms, s);
 }
 
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {

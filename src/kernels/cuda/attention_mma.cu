@@ -61,6 +61,15 @@ __device__ __forceinline__ uint4 load16_l2_128(const bf16* p) {
                : "l"(p));
   return v;
 }
+// Both through L2 only (not cached in L1).
+__device__ __forceinline__ uint4 load16_cg(const bf16* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint4 load16_cg_l2_128(const bf16* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 
 // A head held by a quad of lanes (lane qd: dims c * 32 + qd * 8 + (0..7) in x[c]; the head is
 // all kChunks * 32 dims): per-head RMSNorm (norm_w may be null) and RoPE by `rope` (the rope
@@ -115,8 +124,8 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
                                              const int (&vpos)[2], const int (&lo)[2], const int (&hi)[2],
                                              const int (&vsplits)[2], const bool (&vok)[2], float* workspace,
                                              int max_splits, bf16* out, int64_t out_stride, bf16 (*v_s)[16][HD + 8],
-                                             float* merge_s, bf16 (*q_s)[HD + 8], bool l2_hint, float (&st_m)[2],
-                                             float (&st_l)[2], float* st_acc, Ready&& ready) {
+                                             float* merge_s, bf16 (*q_s)[HD + 8], bool l2_hint, bool early_kv,
+                                             float (&st_m)[2], float (&st_l)[2], float* st_acc, Ready&& ready) {
   constexpr int kChunks = HD / 32;   // 32-dim chunks of the score product
   constexpr int kDimTiles = HD / 8;  // 8-dim tiles of the output
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4, hd = shp.head_dim;
@@ -144,7 +153,10 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   const int64_t head_off = static_cast<int64_t>(kv_head) * hd;
   // Everything above reads only the batch's metadata (pdl.cuh: staged by copies that precede this
   // kernel, never written by a kernel), so it runs before the wait, under the previous kernel's tail.
-  ready();
+  // In the fused form so do the loads of keys and values already in the cache (early_kv): only
+  // earlier steps' kernels wrote them, and those are complete once this kernel runs (its
+  // predecessor, the q/k/v product, releases it after its own wait; pdl.cuh), so their DRAM
+  // latency goes under the product's tail too.
 
   // V rows of the warp's 16 keys head for shared memory first, then K and Q into registers.
   constexpr int kPieces = 16 * HD / 8;  // 16-byte pieces of the warp's V tile
@@ -171,26 +183,41 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
       f(kr, part, src, ok, row, sl);
     }
   };
-  for_v_pieces([&](int kr, int part, const bf16* src, bool ok, int, int64_t) {
-    if (l2_hint) cp_async16_hint<128>(&v_s[warp][kr][part * 8], src, ok);
-    else cp_async16(&v_s[warp][kr][part * 8], src, ok);
-  });
-  cp_async_commit();
-
   uint4 kb[2][kChunks], qa[kChunks][2];
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const bf16* krow_ptr[2];  // this lane's key rows (head kv_head, its first dims)
 #pragma unroll
   for (int t = 0; t < 2; ++t)
     krow_ptr[t] = (krow[t] >= 0 ? fresh.k + krow[t] * fresh.stride : kc + slot[t] * k_stride) + head_off + qd * 8;
+  // through_l2: cache rows requested before the wait go through L2 only (.cg), so that nothing
+  // of them comes from L1 as it was before they were written.
+  auto request_kv = [&](bool through_l2) {
+    for_v_pieces([&](int kr, int part, const bf16* src, bool ok, int, int64_t) {
+      if (l2_hint) cp_async16_hint<128>(&v_s[warp][kr][part * 8], src, ok);
+      else cp_async16(&v_s[warp][kr][part * 8], src, ok);
+    });
+    cp_async_commit();
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const int d = c * 32 + qd * 8;
+    for (int c = 0; c < kChunks; ++c) {
+      const int d = c * 32 + qd * 8;
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const bf16* kp = krow_ptr[t] + c * 32;
-      kb[t][c] = kok[t] && d < hd ? (l2_hint ? load16_l2_128(kp) : load16(kp)) : zero;
+      for (int t = 0; t < 2; ++t) {
+        const bf16* kp = krow_ptr[t] + c * 32;
+        kb[t][c] = !(kok[t] && d < hd) ? zero
+                   : through_l2        ? (l2_hint ? load16_cg_l2_128(kp) : load16_cg(kp))
+                   : l2_hint           ? load16_l2_128(kp)
+                                       : load16(kp);
+      }
     }
+  };
+  // A warp whose 16 keys are all in the cache requests them before the wait; one with new keys
+  // (from qkv, written by the product this kernel waits for) after it.
+  if (kFused && early_kv && !__any_sync(kFull, krow[0] >= 0 || krow[1] >= 0)) {
+    request_kv(true);
+    ready();
+  } else {
+    ready();
+    request_kv(false);
   }
   auto q_src = [&](int h, int d) { return q + vrow[h] * q_stride + static_cast<int64_t>(vhead[h]) * hd + d; };
   if constexpr (kFused) {
@@ -438,7 +465,7 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
     attention_mma_kernel(const bf16* q, int64_t q_stride, bf16* kc, int64_t k_stride, bf16* vc, int64_t v_stride,
                          AttnFresh fresh, const AttnRow* rows, const AttnTile* tiles, const int32_t* page_tables,
                          AttnShape shp, int heads, float* workspace, int max_splits, bf16* out, int64_t out_stride,
-                         int release_early, int l2_hint) {
+                         int release_early, int l2_hint, int early_kv) {
   constexpr int kVRow = HD + 8;      // padded: the 8 rows an ldmatrix reads fall on different banks
   constexpr int kAccs = HD / 2;       // accumulators of a lane: HD / 8 tiles of 4
   // The warps' V tiles, then the merge data: every warp's (m, l) and the three quarters of its
@@ -500,7 +527,7 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
     attend_split<HD, kFused, kLoop>(q, q_stride, kc, k_stride, vc, v_stride, fresh, rows[tile.first_row],
                              chunk == 0 ? tile : AttnTile{0, 0}, page_tables, shp, kv_head, split, vrow, vhead, vpos,
                              lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, merge_s, q_s,
-                             l2_hint != 0, st_m, st_l, &st_acc[0][0], ready);
+                             l2_hint != 0, early_kv != 0, st_m, st_l, &st_acc[0][0], ready);
   };
   if constexpr (kLoop) {
     // The state starts empty; each split merges into it in order.
@@ -560,6 +587,9 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
   // 11.62 -> 11.45 ms a plain step; no change at batch 1); DFLASH_ATTN_L2_HINT=0 turns it off.
   static const int l2_hint = env_switch("DFLASH_ATTN_L2_HINT") != "0";
   static const bool fresh_release_after_wait = env_switch("DFLASH_FRESH_RELEASE") != "before";
+  // The fused form requests the cached keys and values before its wait; DFLASH_ATTN_EARLY_KV=0
+  // after it (A/B timing).
+  static const int early_kv = env_switch("DFLASH_ATTN_EARLY_KV") != "0";
   combined = attention_mma_combines_splits(shp, n_tiles, splits, fresh.k != nullptr);
   const dim3 grid = grid_of(shp, n_tiles, combined ? 1 : splits);
   const int heads = attention_mma_heads(shp);
@@ -567,7 +597,7 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
     released_early = attention_may_release_early(reinterpret_cast<const void*>(kernel), kWarps * 32, int64_t{grid.x} * grid.y);
     launch(kernel, grid, kWarps * 32, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
            v_cache.stride, fresh, rows, tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride,
-           released_early ? (fresh.k && fresh_release_after_wait ? 2 : 1) : 0, l2_hint);
+           released_early ? (fresh.k && fresh_release_after_wait ? 2 : 1) : 0, l2_hint, early_kv);
   };
   if (fresh.k) {
     if (shp.head_dim <= 64) run(attention_mma_kernel<64, true, false>);

@@ -10,7 +10,10 @@
 // kernel after a copy starts only once the copy is done, and no kernel writes them.
 //
 // Every kernel waits unconditionally, before any early return: a kernel then
-// completes only after its predecessor has, so ordering stays transitive.
+// completes only after its predecessor has, so ordering stays transitive. A kernel
+// whose predecessor releases only after its own wait (the products: pdl_begin) may
+// also read, before its wait, what kernels before that predecessor wrote: they are
+// complete once it runs (the fused attention's cached keys and values).
 // Kernels that fill the SMs and come before a product (attention, the split
 // combine) release at their end instead: a product launched early would place
 // its blocks on the few SMs already free and run on part of the GPU. The RMSNorm

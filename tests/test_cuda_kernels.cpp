@@ -609,6 +609,7 @@ void CudaAttention::check_fused_qkv_attention(const std::vector<Seq>& seqs) {
   KvCache cc = cpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
   KvCache fused = gpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
   KvCache steps = gpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+  KvCache per_head_kv = gpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
   std::vector<std::vector<int32_t>> tables;
   std::vector<AttentionSegment> segs;
   std::vector<int32_t> positions, slots;
@@ -626,6 +627,7 @@ void CudaAttention::check_fused_qkv_attention(const std::vector<Seq>& seqs) {
       cpu->kv_write(k.c, v.c, cc.k[0], cc.v[0], past);
       gpu->kv_write(k.g, v.g, fused.k[0], fused.v[0], past);
       gpu->kv_write(k.g, v.g, steps.k[0], steps.v[0], past);
+      gpu->kv_write(k.g, v.g, per_head_kv.k[0], per_head_kv.v[0], past);
     }
     segs.push_back({rows, s.n_new, n_keys, t.data(), s.causal});
     for (int r = 0; r < s.n_new; ++r) positions.push_back(s.n_past + r), slots.push_back(slot_of(s.n_past + r));
@@ -648,6 +650,14 @@ void CudaAttention::check_fused_qkv_attention(const std::vector<Seq>& seqs) {
                        cc.k[0], cc.v[0], segs, positions, ap, out.c);
     const std::string what = with_norm ? "q/k normed" : "no q/k norm";
     EXPECT_EQ(gpu->to_host(out.g), gpu->to_host(out2)) << what;
+    // The split combine with a warp per head instead of a warp per 32 dims: the same bits.
+    Tensor qkv3 = gpu->upload_host(qkv.host.data(), rows, width);
+    auto per_head = poisoned(rows, q_dim);
+    setenv("DFLASH_COMBINE_WARP_PER_HEAD", "1", 1);
+    gpu->qkv_attention(qkv3, qn_g, kn_g, 1e-6f, inv_freq, slots, per_head_kv.k[0], per_head_kv.v[0], segs, positions,
+                       ap, per_head.g);
+    unsetenv("DFLASH_COMBINE_WARP_PER_HEAD");
+    EXPECT_EQ(gpu->to_host(per_head.g), gpu->to_host(out.g)) << what << ", a warp per head";
     EXPECT_EQ(gpu->to_host(fused.k[0]), gpu->to_host(steps.k[0])) << what;
     EXPECT_EQ(gpu->to_host(fused.v[0]), gpu->to_host(steps.v[0])) << what;
     expect_close(out, "attention output, " + what);

@@ -228,21 +228,25 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   }
 }
 
-// One warp per (row, head) combines the row's splits (combine_splits), head_dim <= 32 * kDims.
-// It releases the next kernel when the attention before it did (attention_may_release_early).
+// `per_head` warps per (row, head) combine the row's splits (combine_splits), each 32 * kDims of
+// its dims: several warps a head shorten each warp's chain of dependent loads and merges, which
+// is what the kernel waits on (it is short of neither bandwidth nor warps). It releases the next
+// kernel when the attention before it did (attention_may_release_early).
 template <int kDims>
 __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, const float* workspace,
-                               int max_splits, bf16* out, int64_t out_stride, int release_early) {
+                               int max_splits, bf16* out, int64_t out_stride, int per_head, int release_early) {
   if (release_early) pdl_release();
   // The rows are staged metadata: read before the wait (pdl.cuh).
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t item = warp / per_head;
+  const int dim0 = static_cast<int>(warp % per_head) * 32 * kDims;
   const bool valid = item < static_cast<int64_t>(n_rows) * shp.n_heads;
   const int row = valid ? static_cast<int>(item / shp.n_heads) : 0, head = static_cast<int>(item % shp.n_heads);
   const int n_splits = valid ? n_splits_of(visible_keys(rows[row], shp.sliding_window)) : 0;
   pdl_wait();
   if (n_splits <= 1) return;  // written directly by the attention kernel (or no such row)
   combine_splits<kDims>(workspace + item * max_splits * (shp.head_dim + 2), n_splits, shp.head_dim,
-                 out + row * out_stride + static_cast<int64_t>(head) * shp.head_dim);
+                        out + row * out_stride + static_cast<int64_t>(head) * shp.head_dim, dim0);
   pdl_release();
 }
 
@@ -252,10 +256,22 @@ void launch_combine(const AttnRow* rows, int n_rows, int splits, const AttnShape
                     Mat out, bool release_early, cudaStream_t s) {
   if (splits <= 1) return;
   const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;
-  const auto kernel = shp.head_dim <= 128 ? combine_kernel<4> : combine_kernel<8>;
-  const unsigned blocks = static_cast<unsigned>((items + 3) / 4);
+  // A warp per 32 dims of a head where the GPU holds all those warps at once (a few rows: the
+  // kernel waits on each warp's chain; batch 1 verification 7.35 -> 7.27 ms a DFlash step), else
+  // a warp per head (many rows: the heads' m and l would be loaded and merged by every warp of
+  // the head; DFlash batch 8 10.27 -> 10.77 ms with a warp per 32 dims).
+  // DFLASH_COMBINE_WARP_PER_HEAD=1: a warp per head always (A/B timing; read at each launch, so
+  // tests compare both forms in one process: the same bits).
+  const bool warp_per_head = env_switch("DFLASH_COMBINE_WARP_PER_HEAD") == "1";
+  const int dim_warps = (shp.head_dim + 31) / 32;
+  const bool split_dims = !warp_per_head && gpu_holds_grid(reinterpret_cast<const void*>(combine_kernel<1>), 128,
+                                                           (items * dim_warps + 3) / 4);
+  const auto kernel = split_dims ? combine_kernel<1> : shp.head_dim <= 128 ? combine_kernel<4> : combine_kernel<8>;
+  const int per_head = split_dims ? dim_warps : 1;
+  const unsigned blocks = static_cast<unsigned>((items * per_head + 3) / 4);
   release_early = release_early && attention_may_release_early(reinterpret_cast<const void*>(kernel), 128, blocks);
-  launch(kernel, blocks, 128, s, rows, n_rows, shp, workspace, splits, out.data, out.stride, release_early ? 1 : 0);
+  launch(kernel, blocks, 128, s, rows, n_rows, shp, workspace, splits, out.data, out.stride, per_head,
+         release_early ? 1 : 0);
 }
 
 }  // namespace

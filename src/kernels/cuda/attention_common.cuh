@@ -49,13 +49,14 @@ __device__ __forceinline__ float merged(float x, float x_split, const MergeCoef&
 // The output value of a combined state: acc / l (0 for a row that saw no key).
 __device__ __forceinline__ float inverse_of_sum(float l) { return l > 0.0f ? __fdiv_rn(1.0f, l) : 0.0f; }
 
-// One warp combines the splits of one (row, head): `base` holds n_splits partials of
-// (m, l, acc[hd]) floats, merged in split order as above. Everything kBatch splits need is
-// requested before any of it is used (one trip to L2 for a row of up to kBatch splits). Loads
-// bypass L1: the partials come from another kernel. kDims: head dims per lane (head_dim <= 32 *
-// kDims); it and kBatch change registers, not results.
+// One warp combines the splits of one (row, head), or of its dims from dim0 on: `base` holds
+// n_splits partials of (m, l, acc[hd]) floats, merged in split order as above. Everything kBatch
+// splits need is requested before any of it is used (one trip to L2 for a row of up to kBatch
+// splits). Loads bypass L1: the partials come from another kernel. kDims: head dims per lane
+// (dims dim0 .. dim0 + 32 * kDims - 1); it, dim0 and kBatch change registers, not results (every
+// dim is combined on its own, with the same m and l).
 template <int kDims>
-__device__ __forceinline__ void combine_splits(const float* base, int n_splits, int hd, bf16* out) {
+__device__ __forceinline__ void combine_splits(const float* base, int n_splits, int hd, bf16* out, int dim0 = 0) {
   constexpr int kBatch = kDims <= 4 ? 16 : 8;
   const int lane = threadIdx.x % 32, stride = hd + 2;
   float mb[kBatch], lb[kBatch], v[kBatch][kDims];  // a batch of splits: maxima, sums, this lane's values
@@ -70,7 +71,7 @@ __device__ __forceinline__ void combine_splits(const float* base, int n_splits, 
       lb[u] = s < n_splits ? __ldcg(base + s * stride + 1) : 0.0f;
 #pragma unroll
       for (int j = 0; j < kDims; ++j) {
-        const int d = lane + 32 * j;
+        const int d = dim0 + lane + 32 * j;
         v[u][j] = s < n_splits && d < hd ? __ldcg(base + s * stride + 2 + d) : 0.0f;  // every split writes its values
       }
     }
@@ -88,7 +89,7 @@ __device__ __forceinline__ void combine_splits(const float* base, int n_splits, 
   auto* o = reinterpret_cast<__nv_bfloat16*>(out);
 #pragma unroll
   for (int j = 0; j < kDims; ++j) {
-    const int d = lane + 32 * j;
+    const int d = dim0 + lane + 32 * j;
     if (d < hd) o[d] = __float2bfloat16(__fmul_rn(a[j], inv));
   }
 }

@@ -53,21 +53,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 }
 
 __device__ __forceinline__ uint4 load16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-// The same with L2 fetching the whole 128-byte line from DRAM (a key row's head is 128-256 bytes).
-__device__ __forceinline__ uint4 load16_l2_128(const bf16* p) {
+// A key row's 16 bytes: with l2_hint, L2 fetches the whole 128-byte line from DRAM (a key row's
+// head is 128-256 bytes); kL2Only: through L2 only (.cg, not kept in L1) instead of the read-only path.
+template <bool kL2Only>
+__device__ __forceinline__ uint4 load_key16(const bf16* p, bool l2_hint) {
+  if (!l2_hint) return kL2Only ? __ldcg(reinterpret_cast<const uint4*>(p)) : load16(p);
   uint4 v;
-  asm volatile("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-// Both through L2 only (not cached in L1).
-__device__ __forceinline__ uint4 load16_cg(const bf16* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
-__device__ __forceinline__ uint4 load16_cg_l2_128(const bf16* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if constexpr (kL2Only)
+    asm volatile("ld.global.cg.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
@@ -204,9 +201,8 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
       for (int t = 0; t < 2; ++t) {
         const bf16* kp = krow_ptr[t] + c * 32;
         kb[t][c] = !(kok[t] && d < hd) ? zero
-                   : through_l2        ? (l2_hint ? load16_cg_l2_128(kp) : load16_cg(kp))
-                   : l2_hint           ? load16_l2_128(kp)
-                                       : load16(kp);
+                   : through_l2        ? load_key16<true>(kp, l2_hint)
+                                       : load_key16<false>(kp, l2_hint);
       }
     }
   };

@@ -7,6 +7,7 @@
 #include <deque>
 #include <mutex>
 #include <random>
+#include <utility>
 
 #include "engine/sampling.h"
 #include "formats/chat_template.h"
@@ -50,19 +51,22 @@ struct Channel {
   }
 };
 
-// One request in flight: engine id, text assembly, usage and timing.
+// One request in flight: engine id, text assembly, usage, timing and outcome.
 struct Generation {
   std::shared_ptr<Channel> channel = std::make_shared<Channel>();
   uint64_t engine_id = 0;
   std::unique_ptr<TextStream> text;
   Usage usage;
-  std::string finish_reason;  // set when done
+  std::string finish_reason;  // "stop" or "length" when it ended normally
+  std::string error;          // failed: the engine's message
   Clock::time_point start = Clock::now(), first_token, last_token;
-  int n_tokens = 0;
-  bool done = false;
+  int n_tokens = 0, n_events = 0;
+  bool done = false, failed = false, cancelled = false;
+  bool counted = false;  // in /metrics (before its last bytes, so a client that reads them sees it)
 
   // Applies an event; returns the text that became sendable.
   std::string apply(const TokenEvent& e, Metrics& metrics) {
+    ++n_events;
     std::string out;
     for (int32_t t : e.tokens) {
       if (text->stopped()) break;
@@ -75,23 +79,52 @@ struct Generation {
       out += text->push(t);
     }
     if (text->stopped()) {
-      finish_reason = "stop";
+      finish_reason = "stop";  // a stop string
       done = true;
     } else if (e.finished) {
-      out += text->finish();
-      finish_reason = e.finish_reason == "length" ? "length" : "stop";
       done = true;
+      if (auto reason = finish_reason_text(e.finish_reason)) {
+        out += text->finish();
+        finish_reason = *reason;
+      } else if (e.finish_reason == FinishReason::Error) {
+        failed = true;
+        error = e.error.empty() ? "the engine failed this request" : e.error;
+      } else {
+        cancelled = true;
+      }
     }
-    if (done && n_tokens > 1)
+    if (done && !failed && !cancelled && n_tokens > 1)
       metrics.per_output_token(std::chrono::duration<double>(last_token - first_token).count() / (n_tokens - 1));
     return out;
   }
 };
 
+// ServingEngine as the server's EngineApi.
+class ServingEngineApi : public EngineApi {
+ public:
+  explicit ServingEngineApi(ServingEngine& e) : e_(e) {}
+  uint64_t submit(RequestParams p, ServingEngine::Callback cb) override { return e_.submit(std::move(p), std::move(cb)); }
+  void cancel(uint64_t id) override { e_.cancel(id); }
+  ServingStats stats() const override { return e_.stats(); }
+  int max_positions() const override { return e_.target_config().max_positions; }
+
+ private:
+  ServingEngine& e_;
+};
+
+// How long a response holds back its status line waiting for the first event,
+// so that a request failing in its prefill gets a real HTTP 500. While it is
+// held, a client that goes away is not noticed.
+constexpr double kHoldStatusMaxS = 30;
+// A non-streaming response also holds it for its first heartbeat interval:
+// short generations get their final status (200 or 500) and a plain body.
+constexpr double kHeartbeatS = 1;
+
 }  // namespace
 
 struct HttpServer::Impl {
-  ServingEngine& engine;
+  std::unique_ptr<EngineApi> owned_engine;  // the adapter for a ServingEngine
+  EngineApi& engine;
   ServerOptions opts;
   Tokenizer tokenizer;
   std::unique_ptr<ChatTemplate> chat_template;
@@ -109,7 +142,8 @@ struct HttpServer::Impl {
   const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
                               std::chrono::system_clock::now().time_since_epoch()).count();
 
-  Impl(ServingEngine& e, const ServerOptions& o) : engine(e), opts(o), tokenizer(o.tokenizer_dir) {
+  Impl(std::unique_ptr<EngineApi> owned, EngineApi& e, const ServerOptions& o)
+      : owned_engine(std::move(owned)), engine(e), opts(o), tokenizer(o.tokenizer_dir) {
     try {
       chat_template = std::make_unique<ChatTemplate>(o.tokenizer_dir);
     } catch (const Error&) {
@@ -118,7 +152,7 @@ struct HttpServer::Impl {
     ctx.tokenizer = &tokenizer;
     ctx.chat_template = chat_template.get();
     ctx.model_name = o.model_name;
-    ctx.max_positions = e.target_config().max_positions;
+    ctx.max_positions = e.max_positions();
     ctx.default_sampling = default_sampling(load_generation_config(o.tokenizer_dir));
     if (chat_template && chat_template->eos_token()) {
       if (auto id = tokenizer.token_to_id(*chat_template->eos_token())) ctx.chat_eos.push_back(*id);
@@ -187,23 +221,30 @@ struct HttpServer::Impl {
       res.set_content(to_text(nlohmann::json{{"object", "list"}, {"data", {m}}}), "application/json");
     });
     svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      complete(req, res, false);
-      metrics.request_finished("/v1/completions", res.status < 0 ? 200 : res.status);
+      complete(req, res, false, "/v1/completions");
     });
     svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      complete(req, res, true);
-      metrics.request_finished("/v1/chat/completions", res.status < 0 ? 200 : res.status);
+      complete(req, res, true, "/v1/chat/completions");
     });
   }
 
-  void complete(const httplib::Request& req, httplib::Response& res, bool chat) {
-    if (!authorized(req, res)) return;
+  // Answers a completion request: one JSON body, or server-sent events when
+  // streaming. The status line waits for the request's first event (up to
+  // kHoldStatusMaxS; a non-streaming one also for its first heartbeat
+  // interval), so a request that fails by then gets HTTP 500 with OpenAI's
+  // error JSON. A failure after a 200 status line ends the response with the
+  // error instead: a non-streaming body is then the error JSON (after the
+  // heartbeat spaces, still valid JSON); a stream gets `data: {"error": ...}`
+  // and `data: [DONE]`. /metrics counts a request when its response ends.
+  void complete(const httplib::Request& req, httplib::Response& res, bool chat, const std::string& endpoint) {
+    auto answered = [&] { metrics.request_finished(endpoint, res.status < 0 ? 200 : res.status); };
+    if (!authorized(req, res)) return answered();
     CompletionRequest cr;
     try {
       cr = parse_completion_request(req.body, chat, ctx);
     } catch (const ApiError& e) {
       send_error(res, e.status, e.what(), e.type, e.param);
-      return;
+      return answered();
     }
     auto gen = std::make_shared<Generation>();
     gen->usage.prompt_tokens = static_cast<int>(cr.prompt_ids.size());
@@ -219,30 +260,64 @@ struct HttpServer::Impl {
       gen->engine_id = engine.submit(rp, [channel](const TokenEvent& e) { channel->push(e); });
     } catch (const Error& e) {
       send_error(res, 400, e.what(), "invalid_request_error");
-      return;
+      return answered();
     }
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
-    // When the response ends early (the client went away), the request stops and frees its pages.
-    auto on_release = [this, gen](bool success) {
+
+    std::string held;  // text generated while the status line was held
+    const double min_hold_s = cr.stream ? 0 : kHeartbeatS;
+    while (!gen->done && seconds_since(gen->start) < kHoldStatusMaxS &&
+           (gen->n_events == 0 || seconds_since(gen->start) < min_hold_s)) {
+      if (auto e = gen->channel->pop(std::chrono::milliseconds(50))) held += gen->apply(*e, metrics);
+    }
+    if (gen->done && (gen->failed || gen->cancelled || !cr.stream)) {
+      if (gen->text->stopped()) engine.cancel(gen->engine_id);
+      if (gen->failed) {
+        metrics.request_failed(endpoint);
+        send_error(res, 500, gen->error, "server_error");
+      } else if (gen->cancelled) {
+        send_error(res, 503, "the request was cancelled: the server is stopping", "server_error");
+      } else {
+        res.set_content(to_text(completion_response(chat, id, opts.model_name, created, held, gen->finish_reason,
+                                                    gen->usage)),
+                        "application/json");
+      }
+      return answered();
+    }
+
+    // The status line goes out as 200. When the response ends early (the client
+    // went away), the request stops and frees its pages.
+    auto count = [this, gen, endpoint] {
+      if (std::exchange(gen->counted, true)) return;
+      if (gen->failed) metrics.request_failed(endpoint);
+      metrics.request_finished(endpoint, gen->failed ? 500 : 200);
+    };
+    auto on_release = [this, gen, count](bool success) {
       if (!success || !gen->done) engine.cancel(gen->engine_id);
+      count();
     };
     if (!cr.stream) {
-      // One JSON body. While it is generated, a space each second (JSON allows
-      // leading whitespace) shows whether the client is still there: one that
-      // went away gets its request cancelled and its pages freed.
+      // While it is generated, a space each second (JSON allows leading
+      // whitespace) shows whether the client is still there: one that went
+      // away gets its request cancelled and its pages freed.
       res.set_chunked_content_provider(
           "application/json",
-          [this, gen, id, chat, text = std::string(), beat = Clock::now()](size_t, httplib::DataSink& sink) mutable {
+          [this, gen, id, chat, count, text = std::move(held), beat = Clock::now()](size_t,
+                                                                                   httplib::DataSink& sink) mutable {
             while (!gen->done) {
               if (auto e = gen->channel->pop(std::chrono::milliseconds(200))) text += gen->apply(*e, metrics);
-              if (seconds_since(beat) >= 1.0) {
+              if (seconds_since(beat) >= kHeartbeatS) {
                 beat = Clock::now();
                 if (!sink.write(" ", 1)) return false;
               }
             }
+            if (gen->cancelled) return false;  // the client went away: nothing to send
             if (gen->text->stopped()) engine.cancel(gen->engine_id);
+            count();
             const std::string body =
-                to_text(completion_response(chat, id, opts.model_name, created, text, gen->finish_reason, gen->usage));
+                gen->failed ? error_json(gen->error, "server_error", "")
+                            : to_text(completion_response(chat, id, opts.model_name, created, text, gen->finish_reason,
+                                                          gen->usage));
             if (!sink.write(body.data(), body.size())) return false;
             sink.done();
             return true;
@@ -254,14 +329,18 @@ struct HttpServer::Impl {
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, gen, id, chat, include_usage, first = true](size_t, httplib::DataSink& sink) mutable {
-          auto send = [&](const nlohmann::json& j) {
-            const std::string s = "data: " + to_text(j) + "\n\n";
+        [this, gen, id, chat, include_usage, count, pending = std::move(held), first = true](
+            size_t, httplib::DataSink& sink) mutable {
+          auto send_data = [&](const std::string& json_text) {
+            const std::string s = "data: " + json_text + "\n\n";
             return sink.write(s.data(), s.size());
           };
+          auto send = [&](const nlohmann::json& j) { return send_data(to_text(j)); };
           if (first) {
             first = false;
             if (chat && !send(completion_chunk(true, id, opts.model_name, created, "", "", true))) return false;
+            if (!pending.empty() && !send(completion_chunk(chat, id, opts.model_name, created, pending, "", false)))
+              return false;
           }
           while (!gen->done) {
             auto e = gen->channel->pop(std::chrono::milliseconds(200));
@@ -273,11 +352,16 @@ struct HttpServer::Impl {
             if (!text.empty() && !send(completion_chunk(chat, id, opts.model_name, created, text, "", false)))
               return false;
           }
-          if (gen->text->stopped()) engine.cancel(gen->engine_id);
-          if (!send(completion_chunk(chat, id, opts.model_name, created, "", gen->finish_reason, false))) return false;
-          if (include_usage && !send(usage_chunk(chat, id, opts.model_name, created, gen->usage))) return false;
-          const std::string done = "data: [DONE]\n\n";
-          sink.write(done.data(), done.size());
+          if (gen->cancelled) return false;  // the client went away: nothing to send
+          count();
+          if (gen->failed) {
+            if (!send_data(error_json(gen->error, "server_error", ""))) return false;
+          } else {
+            if (gen->text->stopped()) engine.cancel(gen->engine_id);
+            if (!send(completion_chunk(chat, id, opts.model_name, created, "", gen->finish_reason, false))) return false;
+            if (include_usage && !send(usage_chunk(chat, id, opts.model_name, created, gen->usage))) return false;
+          }
+          if (!send_data("[DONE]")) return false;
           sink.done();
           return true;
         },
@@ -285,8 +369,13 @@ struct HttpServer::Impl {
   }
 };
 
-HttpServer::HttpServer(ServingEngine& engine, const ServerOptions& opts)
-    : impl_(std::make_unique<Impl>(engine, opts)) {}
+HttpServer::HttpServer(ServingEngine& engine, const ServerOptions& opts) {
+  auto api = std::make_unique<ServingEngineApi>(engine);
+  EngineApi& ref = *api;
+  impl_ = std::make_unique<Impl>(std::move(api), ref, opts);
+}
+HttpServer::HttpServer(EngineApi& engine, const ServerOptions& opts)
+    : impl_(std::make_unique<Impl>(nullptr, engine, opts)) {}
 HttpServer::~HttpServer() = default;
 
 void HttpServer::run(const std::function<void(int)>& on_listening) {

@@ -1,9 +1,11 @@
 // The OpenAI-compatible HTTP server (cpp-httplib): /v1/completions and
 // /v1/chat/completions (streaming or not), /v1/models, /health, /metrics.
 // Each request is validated, submitted to the ServingEngine and answered from
-// its token events; a client that goes away cancels its request.
+// its token events; a client that goes away cancels its request. A request
+// the engine fails is answered with OpenAI's error JSON (see complete()).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -22,9 +24,21 @@ struct ServerOptions {
   int read_timeout_s = 20;          // a client that stops sending is dropped
 };
 
+// What the server uses of an engine: ServingEngine in `dflash serve`, a
+// scripted engine in tests (which can fail a request on demand).
+class EngineApi {
+ public:
+  virtual ~EngineApi() = default;
+  virtual uint64_t submit(RequestParams params, ServingEngine::Callback on_event) = 0;
+  virtual void cancel(uint64_t id) = 0;
+  virtual ServingStats stats() const = 0;
+  virtual int max_positions() const = 0;
+};
+
 class HttpServer {
  public:
   HttpServer(ServingEngine& engine, const ServerOptions& opts);
+  HttpServer(EngineApi& engine, const ServerOptions& opts);
   ~HttpServer();
   // Binds and serves until stop(); calls on_listening(port) once bound. Throws Error when it cannot bind.
   void run(const std::function<void(int)>& on_listening);

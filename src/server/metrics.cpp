@@ -10,6 +10,15 @@ std::string num(double v) {
   std::snprintf(buf, sizeof buf, "%.9g", v);
   return buf;
 }
+void count(std::vector<std::pair<std::string, uint64_t>>& counters, const std::string& key) {
+  for (auto& [k, n] : counters) {
+    if (k == key) {
+      ++n;
+      return;
+    }
+  }
+  counters.emplace_back(key, 1);
+}
 void line(std::string& out, const std::string& text) { out += text + "\n"; }
 void header(std::string& out, const std::string& name, const std::string& type, const std::string& help) {
   line(out, "# HELP " + name + " " + help);
@@ -43,14 +52,12 @@ Metrics::Metrics()
 
 void Metrics::request_finished(const std::string& endpoint, int http_status) {
   std::lock_guard<std::mutex> lk(mu_);
-  const std::string key = "endpoint=\"" + endpoint + "\",status=\"" + std::to_string(http_status) + "\"";
-  for (auto& [k, n] : requests_) {
-    if (k == key) {
-      ++n;
-      return;
-    }
-  }
-  requests_.emplace_back(key, 1);
+  count(requests_, "endpoint=\"" + endpoint + "\",status=\"" + std::to_string(http_status) + "\"");
+}
+
+void Metrics::request_failed(const std::string& endpoint) {
+  std::lock_guard<std::mutex> lk(mu_);
+  count(failures_, "endpoint=\"" + endpoint + "\"");
 }
 
 void Metrics::first_token(double seconds) {
@@ -68,6 +75,8 @@ std::string Metrics::render(const ServingStats& st, const std::string& model) co
   std::string out;
   header(out, "dflash_requests_total", "counter", "HTTP requests by endpoint and status");
   for (const auto& [k, n] : requests_) line(out, "dflash_requests_total{" + k + "} " + std::to_string(n));
+  header(out, "dflash_request_failures_total", "counter", "requests the engine failed (answered with an error)");
+  for (const auto& [k, n] : failures_) line(out, "dflash_request_failures_total{" + k + "} " + std::to_string(n));
   auto gauge = [&](const std::string& name, const std::string& type, const std::string& help, double v) {
     header(out, name, type, help);
     line(out, name + "{model=\"" + model + "\"} " + num(v));

@@ -29,7 +29,10 @@ class Histogram {
 class Metrics {
  public:
   Metrics();
+  // Once per request, when its response has ended (streams included).
   void request_finished(const std::string& endpoint, int http_status);
+  // A request the engine failed (reported to the client as an error).
+  void request_failed(const std::string& endpoint);
   void first_token(double seconds);   // time to first token
   void per_output_token(double seconds);
   std::string render(const ServingStats& st, const std::string& model) const;
@@ -37,6 +40,7 @@ class Metrics {
  private:
   mutable std::mutex mu_;
   std::vector<std::pair<std::string, uint64_t>> requests_;  // "endpoint,status" -> count
+  std::vector<std::pair<std::string, uint64_t>> failures_;  // "endpoint" -> count
   Histogram ttft_, tpot_;
 };
 

@@ -25,6 +25,8 @@ const std::set<std::string> kCommonFields = {"model",  "max_tokens", "temperatur
                                              "seed",   "user",       "frequency_penalty", "presence_penalty",
                                              "logit_bias", "logprobs",   "top_k"};
 const std::set<std::string> kCompletionFields = {"prompt", "echo", "best_of", "suffix"};
+// OpenAI's roles; a template renders any string, so anything else is refused here.
+const std::set<std::string> kRoles = {"system", "developer", "user", "assistant", "tool", "function"};
 const std::set<std::string> kChatFields = {"messages", "max_completion_tokens", "tools", "tool_choice",
                                            "parallel_tool_calls", "top_logprobs", "response_format",
                                            "chat_template_kwargs"};
@@ -78,10 +80,14 @@ ordered_json normalized_messages(const ordered_json& msgs) {
     ordered_json m = msgs[i];
     if (!m.is_object()) bad(where, where + " must be an object");
     if (!m.contains("role") || !m["role"].is_string()) bad(where, where + " needs a string 'role'");
+    if (!kRoles.count(m["role"].get<std::string>()))
+      bad(where + ".role", where + ".role '" + m["role"].get<std::string>() +
+                               "' is not one of system, developer, user, assistant, tool, function");
     if (m.contains("content") && m["content"].is_array()) {
       std::string text;
       for (const auto& part : m["content"]) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+        if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
+            !part["text"].is_string())
           bad(where, where + ": only text content parts are supported");
         text += part["text"].get<std::string>();
       }
@@ -96,9 +102,35 @@ ordered_json normalized_messages(const ordered_json& msgs) {
 
 }  // namespace
 
+bool json_depth_exceeds(std::string_view text, size_t limit) {
+  size_t depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      // A stray closer: the parser rejects the text at this point, before
+      // anything after it is built.
+      if (depth == 0) return false;
+      --depth;
+    }
+  }
+  return false;
+}
+
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const ProtocolContext& ctx) {
   if (const size_t at = utf8::first_invalid(body); at != std::string::npos)
     bad("", "the body is not valid UTF-8 (byte " + std::to_string(at) + ")");
+  if (json_depth_exceeds(body, kMaxJsonDepth))
+    bad("", "the body nests arrays and objects more than " + std::to_string(kMaxJsonDepth) + " levels deep");
   ordered_json b;
   try {
     b = ordered_json::parse(body);
@@ -227,6 +259,17 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
     r.max_tokens = chat ? static_cast<int>(ctx.max_positions - n_prompt) : static_cast<int>(std::min<int64_t>(16, ctx.max_positions - n_prompt));
   }
   return r;
+}
+
+std::optional<std::string> finish_reason_text(FinishReason r) {
+  switch (r) {
+    case FinishReason::Eos: return "stop";
+    case FinishReason::Length:
+    case FinishReason::Context: return "length";
+    case FinishReason::Cancelled:
+    case FinishReason::Error: return std::nullopt;
+  }
+  return std::nullopt;
 }
 
 nlohmann::json usage_json(const Usage& u) {

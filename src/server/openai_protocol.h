@@ -7,6 +7,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -49,8 +50,23 @@ struct CompletionRequest {
   bool has_seed = false;
 };
 
-// Throws ApiError (400) naming the field for anything malformed or unsupported.
+// Requests with tool JSON schemas nest about 10 levels; 128 leaves ample room.
+inline constexpr size_t kMaxJsonDepth = 128;
+
+// True when arrays and objects in `text` nest deeper than `limit`, measured
+// before a document is built: unbounded nesting overflows the stack in every
+// recursive walk of a tree (copies, comparisons, dump, template values).
+// Brackets inside strings (escapes included) do not count; no recursion.
+bool json_depth_exceeds(std::string_view text, size_t limit);
+
+// Throws ApiError (400) naming the field for anything malformed or unsupported,
+// 404 for another model's name.
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const ProtocolContext& ctx);
+
+// OpenAI's finish_reason for how the engine ended a request: "stop" (EOS) or
+// "length" (max_tokens, or the context is full). Cancelled (the client left)
+// and Error (answered with an error instead) have none.
+std::optional<std::string> finish_reason_text(FinishReason r);
 
 // Response bodies. `id` like "cmpl-12"; finish_reason "stop" or "length".
 struct Usage {

@@ -1,8 +1,8 @@
 // Black-box tests of `dflash serve` on the bundled pair (CPU), with the
 // official OpenAI Node SDK as the client: greedy and seeded sampled responses
 // equal `dflash generate`, streaming equals non-streaming, 32 concurrent streaming
-// clients get their sequential outputs, bad input gets a clear 4xx while the
-// server keeps serving, and a client that disconnects frees its KV pages.
+// clients get their sequential outputs, bad input (deep nesting and unknown
+// roles included) gets a clear 4xx while the server keeps serving, and a client that disconnects frees its KV pages.
 //
 // Run: DFLASH_BINARY=build/dflash node --test tests/server/
 import { test, before, after } from 'node:test';
@@ -234,10 +234,16 @@ test('bad input gets a clear 4xx in OpenAI error shape, and the server keeps ser
     ['top_k not an integer', JSON.stringify({ model: MODEL, prompt: 'a', top_k: 2.5 }), 400, /top_k/],
     ['n = 2', JSON.stringify({ model: MODEL, prompt: 'a', n: 2 }), 400, /'n'/],
     ['unknown model', JSON.stringify({ model: 'gpt-9', prompt: 'a' }), 404, /does not exist/],
-    ['bad messages', JSON.stringify({ model: MODEL, messages: 'hi' }), 400, /messages/],
+    ['chat: bad messages', JSON.stringify({ model: MODEL, messages: 'hi' }), 400, /messages/],
+    ['chat: unknown role', JSON.stringify({ model: MODEL, messages: [{ role: 'bogus', content: 'x' }] }), 400,
+     /messages\[0\]\.role 'bogus'/],
+    // 100,000 levels in 200 KB used to overflow the stack and end the server.
+    ['nesting 100,000 deep', '{"prompt":' + '['.repeat(100000) + ']'.repeat(100000) + '}', 400, /128 levels/],
+    ['chat: nesting 20,000 deep', JSON.stringify({ model: MODEL, messages: [{ role: 'user', content: 'x' }] })
+      .replace('"x"', '['.repeat(20000) + ']'.repeat(20000)), 400, /128 levels/],
   ];
   for (const [name, body, status, re] of cases) {
-    const path = name === 'bad messages' ? '/v1/chat/completions' : '/v1/completions';
+    const path = name.startsWith('chat:') ? '/v1/chat/completions' : '/v1/completions';
     const r = await post(path, body);
     assert.equal(r.status, status, `${name}: ${r.body}`);
     const err = JSON.parse(r.body).error;

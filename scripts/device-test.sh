@@ -14,7 +14,6 @@
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
 # Steps can be chosen with STEPS="tests logits sites bench profile ab builds serving sampling ncu ncu-decode graphs"
 # (default: all but sites, profile, ab, builds, sampling, ncu, ncu-decode and graphs).
-# DFLASH_PDL=0 turns programmatic dependent launch off (A/B timings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -110,11 +109,12 @@ if [[ $steps == *bench* ]]; then
 fi
 if [[ $steps == *profile* ]]; then
   # Per-kernel GPU time of the batch-1 step graphs at context 512 (plain, draft, verify), from
-  # CUPTI through tools/kernel_trace, with programmatic dependent launch on and off.
+  # CUPTI through tools/kernel_trace.
   echo "== profile: bench-step batch 1, context 512, every graph node traced =="
   random_8b_pair
-  # Variants: PROFILE="name=ENV ..." entries separated by ';' (default: PDL on and off).
-  IFS=';' read -ra variants <<< "${PROFILE:-pdl1=DFLASH_PDL=1;pdl0=DFLASH_PDL=0}"
+  # Variants: PROFILE="name=ENV ..." entries separated by ';' (default: one run named pdl, no
+  # extra environment, e.g. PROFILE="pdl=DFLASH_TRACE_NODES=400").
+  IFS=';' read -ra variants <<< "${PROFILE:-pdl=}"
   for v in "${variants[@]}"; do
     name=${v%%=*}
     env ${v#*=} CUDA_INJECTION64_PATH="$PWD/build-dev/lib/libdflash_kernel_trace.so" \
@@ -122,25 +122,21 @@ if [[ $steps == *profile* ]]; then
       --draft "$ckpt/dflash-8b" --batch "${PROFILE_BATCH:-1}" --context 512 --iters 20 --warmup 3 --skip-kernels \
       --leak-check-steps 0 > "$out/profile_run_$name.txt" 2>&1 || status=1
   done
-  # The same rows untraced, PDL on and off (A/B timing).
-  for pdl in 1 0; do
-    DFLASH_PDL=$pdl "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
-      --batch 1,32 --context 512 --skip-kernels --leak-check-steps 0 2>&1 | tee "$out/bench_step_pdl$pdl.txt" || status=1
-  done
+  # The same rows untraced.
+  "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
+    --batch 1,32 --context 512 --skip-kernels --leak-check-steps 0 2>&1 | tee "$out/bench_step_untraced.txt" || status=1
 fi
 
 if [[ " $steps " == *" ncu "* ]]; then
   # Nsight Compute on two 16-row verification attention launches of batch 32 at context 512 (the
-  # launches after the plain rows and the draft), once per DFLASH_ATTN_SPLIT_LOOP setting:
-  # bench/results/ncu_h100_attention_b32_verify.txt.
+  # launches after the plain rows and the draft; at this size the kernel runs a tile's splits in a
+  # loop): bench/results/ncu_h100_attention_b32_verify.txt.
   random_8b_pair
-  for loop in 0 1; do
-    DFLASH_ATTN_SPLIT_LOOP=$loop with_libs ncu --clock-control none -k regex:attention_mma --launch-skip 150 \
-      --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-      --section WarpStateStats --section LaunchStats --section SchedulerStats \
-      build-dev/dflash bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --batch 32 \
-      --context 512 --iters 1 --warmup 1 --skip-kernels --leak-check-steps 0 > "$out/ncu_loop$loop.txt" 2>&1 || status=1
-  done
+  with_libs ncu --clock-control none -k regex:attention_mma --launch-skip 150 \
+    --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section LaunchStats --section SchedulerStats \
+    build-dev/dflash bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --batch 32 \
+    --context 512 --iters 1 --warmup 1 --skip-kernels --leak-check-steps 0 > "$out/ncu_b32_verify.txt" 2>&1 || status=1
 fi
 
 if [[ " $steps " == *" ncu-decode "* ]]; then
@@ -158,9 +154,10 @@ fi
 
 if [[ " $steps " == *" ab "* ]]; then
   # A/B timing of environment settings, one bench-step run per entry of AB (';'-separated; an
-  # empty entry runs the defaults), e.g. AB=";DFLASH_L2_PREFETCH=0;DFLASH_PDL=0".
+  # empty entry runs the defaults), e.g. AB=";NAME=VALUE" for a temporary switch under test (the
+  # kernels read no environment variables; code changes without a switch: STEPS=builds).
   random_8b_pair
-  IFS=';' read -ra variants <<< "${AB:-;DFLASH_L2_PREFETCH=0}"
+  IFS=';' read -ra variants <<< "${AB:-;}"
   for i in "${!variants[@]}"; do
     echo "== A/B $i: ${variants[$i]:-defaults} =="
     env ${variants[$i]} "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
@@ -203,26 +200,23 @@ if [[ $steps == *serving* ]]; then
     --json "$out/serving_gpu_bundled.json" 2>&1 | tee "$out/serving_gpu_bundled.txt" || status=1
 fi
 if [[ $steps == *sampling* ]]; then
-  # Sampled generation (temperature 0.6, top-k 20, top-p 0.95: Qwen3's generation_config) with
-  # the top-k candidates selected on the GPU (DFLASH_GPU_TOP_K=1, the default), and on the host (0: the rows
-  # copied to the host): per-step times from `generate --json`, 8B-shaped random pair (drafts
-  # never accepted) and the bundled pair.
-  echo "== sampled generation: top-k candidates on the GPU and on the host =="
+  # Sampled generation (temperature 0.6, top-k 20, top-p 0.95: Qwen3's generation_config), the
+  # top-k candidates selected on the GPU: per-step times from `generate --json`, 8B-shaped random
+  # pair (drafts never accepted) and the bundled pair.
+  echo "== sampled generation =="
   random_8b_pair
   ids=$(python3 -c "import random; r = random.Random(9); print(','.join(str(r.randrange(151669)) for _ in range(64)))")
   sample="--temperature 0.6 --top-k 20 --top-p 0.95 --seed 7 --json"
   : > "$out/sampling_gpu.txt"
-  for gpu in 1 0; do
-    for mode in "none match" "dflash match" "dflash rejection"; do
-      read -r spec scheme <<< "$mode"
-      echo "8b-shape speculative=$spec scheme=$scheme DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
-        --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --speculative "$spec" --spec-sampling "$scheme" \
-        --prompt-ids "$ids" --max-tokens 128 $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" ||
-        status=1
-      echo "bundled speculative=$spec scheme=$scheme DFLASH_GPU_TOP_K=$gpu: $(DFLASH_GPU_TOP_K=$gpu "$dflash" generate \
-        --device cuda --speculative "$spec" --spec-sampling "$scheme" --prompt "def quicksort(items):" --max-tokens 256 \
-        $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" || status=1
-    done
+  for mode in "none match" "dflash match" "dflash rejection"; do
+    read -r spec scheme <<< "$mode"
+    echo "8b-shape speculative=$spec scheme=$scheme: $("$dflash" generate \
+      --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --speculative "$spec" --spec-sampling "$scheme" \
+      --prompt-ids "$ids" --max-tokens 128 $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" ||
+      status=1
+    echo "bundled speculative=$spec scheme=$scheme: $("$dflash" generate \
+      --device cuda --speculative "$spec" --spec-sampling "$scheme" --prompt "def quicksort(items):" --max-tokens 256 \
+      $sample | python3 tools/generate_stats.py)" | tee -a "$out/sampling_gpu.txt" || status=1
   done
 fi
 if [[ " $steps " == *" graphs "* ]]; then

@@ -7,12 +7,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <utility>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/kernel_forms.h"
 #include "test_util.h"
 #include "util/dtype.h"
 #include "util/error.h"
@@ -92,8 +92,8 @@ TEST_F(CudaOps, MatmulMatchesCpuForSkinnyAndLargeShapes) {
 // The basis of lossless speculative decoding on the GPU: a row's product is
 // bit-identical whether it is computed alone or among up to 32 rows, and whatever number of
 // weight tiles a block takes (4096 and 6144 rows at more than 8 tokens: two and three tiles on
-// an H100, one block per SM; the usual blocks with DFLASH_SKINNY_WIDE=0, wide ones at any number
-// of tokens with all).
+// an H100, one block per SM; compared with the usual blocks forced, and with wide ones at any
+// number of tokens).
 TEST_F(CudaOps, SkinnyMatmulRowsDoNotDependOnTheBatch) {
   const int64_t k = 4096;
   for (int64_t n : {1000, 4096, 6144}) {
@@ -103,12 +103,16 @@ TEST_F(CudaOps, SkinnyMatmulRowsDoNotDependOnTheBatch) {
       Tensor all = gpu->alloc(m, n);
       gpu->matmul(x.g, w.g, nullptr, all);
       const std::vector<float> batched = gpu->to_host(all);
-      for (const char* mode : {"0", "all"}) {
+      using Wide = cuda::KernelForms::Wide;
+      for (Wide wide : {Wide::never, Wide::any_rows}) {
         Tensor other = gpu->alloc(m, n);
-        setenv("DFLASH_SKINNY_WIDE", mode, 1);
+        cuda::KernelForms forced;
+        forced.skinny_wide = wide;
+        cuda::force_kernel_forms(*gpu, forced);
         gpu->matmul(x.g, w.g, nullptr, other);
-        unsetenv("DFLASH_SKINNY_WIDE");
-        ASSERT_EQ(gpu->to_host(other), batched) << "DFLASH_SKINNY_WIDE=" << mode << " n=" << n << " m=" << m;
+        cuda::force_kernel_forms(*gpu, {});
+        ASSERT_EQ(gpu->to_host(other), batched)
+            << (wide == Wide::never ? "usual blocks" : "wide blocks at any rows") << " n=" << n << " m=" << m;
       }
       for (int64_t r : {int64_t{0}, m / 2, m - 1}) {
         Tensor one = gpu->alloc(1, n);
@@ -459,9 +463,39 @@ TEST_F(CudaOps, ArgmaxIdsInAGraphWhoseBodyReleasesAnEagerTensor) {
   EXPECT_EQ(gpu->ids_to_host(after), std::vector<int32_t>(expected.begin() + 2, expected.begin() + 5));
 }
 
+// A restaged graph replays its step with the new metadata, bit for bit as the step launched op by
+// op (here the decode form of a normalizing product, which also gathers the new residual's rows).
+// A body that launches differently from its capture, even without staging anything, does not
+// match it.
+TEST_F(CudaOps, RestagedGraphsReplayNewMetadataAndRefuseOtherLaunches) {
+  const int64_t m = 2, k = 256, n = 512, vocab = 50;
+  auto table = random(vocab, k), norm_w = random(1, k), w = random(n, k, 0.05f), res = random_f32(m, k, 3.0f);
+  Tensor delta = gpu->alloc(m, k), res_out = gpu->alloc_f32(m, k), h = gpu->alloc(m, k), out = gpu->alloc(m, n);
+  Tensor captured = gpu->alloc(m, k), act = gpu->alloc(m, n / 2);
+  std::vector<int32_t> ids = {3, 7};
+  bool with_swiglu = false;
+  auto body = [&] {
+    gpu->embed(table.g, ids, delta);
+    const ResidualNorm rn{&res.g, &delta, &res_out, &norm_w.g, 1e-6f, &captured};
+    gpu->norm_matmul(rn, h, w.g, nullptr, out);
+    if (with_swiglu) gpu->swiglu(out, act);
+  };
+  auto graph = gpu->capture_graph(body);
+  gpu->replay_graph(graph);
+  for (const std::vector<int32_t>& next : {std::vector<int32_t>{11, 2}, std::vector<int32_t>{49, 0}}) {
+    ids = next;
+    body();  // op by op
+    const std::vector<float> want_out = gpu->to_host(out), want_captured = gpu->to_host(captured);
+    ASSERT_TRUE(gpu->restage_graph(graph, body));
+    gpu->replay_graph(graph);
+    EXPECT_EQ(gpu->to_host(out), want_out) << "ids " << ids[0] << ", " << ids[1];
+    EXPECT_EQ(gpu->to_host(captured), want_captured) << "ids " << ids[0] << ", " << ids[1];
+  }
+  with_swiglu = true;  // one launch more, nothing more staged
+  EXPECT_FALSE(gpu->restage_graph(graph, body));
+}
+
 TEST_F(CudaOps, TopCandidatesEqualTheHostSelection) {
-  setenv("DFLASH_GPU_TOP_K", "1", 1);  // the device selection, whatever the default
-  gpu = make_cuda_backend();
   // Random rows, rows with many ties (values on a coarse grid, so that the k-th value is tied),
   // a constant row and a row with a NaN (both selected on the host), an unaligned column slice,
   // top_k on the device (1..256) and on the host (0, 257, >= cols), several temperatures.
@@ -492,7 +526,9 @@ TEST_F(CudaOps, TopCandidatesEqualTheHostSelection) {
         for (size_t i = 0; i < rows.size(); ++i) {
           EXPECT_EQ(got[i].ids, want[i].ids) << "cols " << cols << " k " << ks[i] << " T " << temps[i] << " row " << i;
           EXPECT_EQ(got[i].x, want[i].x) << "cols " << cols << " k " << ks[i] << " T " << temps[i] << " row " << i;
-          if (ks[i] > 0 && ks[i] < cols && rows[i] != 4) EXPECT_GE(static_cast<int64_t>(got[i].ids.size()), ks[i]);
+          if (ks[i] > 0 && ks[i] < cols && rows[i] != 4) {
+            EXPECT_GE(static_cast<int64_t>(got[i].ids.size()), ks[i]);
+          }
         }
       }
     }
@@ -564,16 +600,20 @@ TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   auto q = random(rows, q_dim, 2.0f), out = poisoned(rows, q_dim);
   const AttentionParams ap{ac.n_heads, ac.n_kv_heads, ac.head_dim, ac.window, ac.page_size};
   cpu->attention(q.c, cc.k[0], cc.v[0], segs, positions, ap, out.c);
-  setenv("DFLASH_ATTN_SPLIT_LOOP", "0", 1);  // splits in parallel, then the combine kernel
+  using Splits = cuda::KernelForms::Splits;
+  cuda::KernelForms forced;
+  forced.attention_splits = Splits::parallel;  // splits in parallel, then the combine kernel
+  cuda::force_kernel_forms(*gpu, forced);
   gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, out.g);
   expect_close(out, "attention");
 
   // The form that runs a tile's splits in one block and combines them itself (large batches)
   // gives the same bits.
   auto looped = poisoned(rows, q_dim);
-  setenv("DFLASH_ATTN_SPLIT_LOOP", "1", 1);
+  forced.attention_splits = Splits::loop;
+  cuda::force_kernel_forms(*gpu, forced);
   gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, looped.g);
-  unsetenv("DFLASH_ATTN_SPLIT_LOOP");
+  cuda::force_kernel_forms(*gpu, {});
   EXPECT_EQ(gpu->to_host(looped.g), gpu->to_host(out.g)) << "splits combined in the attention block";
 
   // A verification row equals the same query decoded alone at its position.
@@ -653,10 +693,12 @@ void CudaAttention::check_fused_qkv_attention(const std::vector<Seq>& seqs) {
     // The split combine with a warp per head instead of a warp per 32 dims: the same bits.
     Tensor qkv3 = gpu->upload_host(qkv.host.data(), rows, width);
     auto per_head = poisoned(rows, q_dim);
-    setenv("DFLASH_COMBINE_WARP_PER_HEAD", "1", 1);
+    cuda::KernelForms forced;
+    forced.combine = cuda::KernelForms::Combine::per_head;
+    cuda::force_kernel_forms(*gpu, forced);
     gpu->qkv_attention(qkv3, qn_g, kn_g, 1e-6f, inv_freq, slots, per_head_kv.k[0], per_head_kv.v[0], segs, positions,
                        ap, per_head.g);
-    unsetenv("DFLASH_COMBINE_WARP_PER_HEAD");
+    cuda::force_kernel_forms(*gpu, {});
     EXPECT_EQ(gpu->to_host(per_head.g), gpu->to_host(out.g)) << what << ", a warp per head";
     EXPECT_EQ(gpu->to_host(fused.k[0]), gpu->to_host(steps.k[0])) << what;
     EXPECT_EQ(gpu->to_host(fused.v[0]), gpu->to_host(steps.v[0])) << what;

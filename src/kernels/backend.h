@@ -253,9 +253,16 @@ class Backend {
                                                        const std::vector<int32_t>& top_k);
 };
 
-std::unique_ptr<Backend> make_cpu_backend();
+struct BackendOptions {
+  // Every row's result independent of the rows batched with it, at some cost (the CUDA backend
+  // then runs products of more than 32 rows as 32-row slices of its skinny kernel, reading the
+  // weights once per slice, instead of through cuBLASLt). The CPU backend always is.
+  bool batch_invariant = false;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& = {});
 // Throws Error when this build has no CUDA backend or no GPU is present.
-std::unique_ptr<Backend> make_cuda_backend();
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& = {});
 int cuda_device_count();  // 0 in builds without CUDA
 
 }  // namespace dflash

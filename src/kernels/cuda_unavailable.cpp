@@ -1,13 +1,16 @@
 // Builds without the CUDA toolkit: the cuda device is reported as absent.
 #include "kernels/backend.h"
+#include "kernels/cuda/kernel_forms.h"
 #include "util/error.h"
 
 namespace dflash {
 
 int cuda_device_count() { return 0; }
 
-std::unique_ptr<Backend> make_cuda_backend() {
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions&) {
   throw Error("this dflash was built without CUDA (install the CUDA toolkit and rebuild); use --device cpu");
 }
+
+void cuda::force_kernel_forms(Backend&, const KernelForms&) { throw Error("this dflash was built without CUDA"); }
 
 }  // namespace dflash

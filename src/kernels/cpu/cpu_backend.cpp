@@ -307,6 +307,7 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+// Batch-invariant by construction (each row is computed alone), so the options change nothing.
+std::unique_ptr<Backend> make_cpu_backend(const BackendOptions&) { return std::make_unique<CpuBackend>(); }
 
 }  // namespace dflash

@@ -22,7 +22,6 @@
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/attention_mma.h"
 #include "kernels/cuda/device_math.cuh"
-#include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -253,19 +252,20 @@ __global__ void combine_kernel(const AttnRow* rows, int n_rows, AttnShape shp, c
 int max_splits_for(int max_keys) { return (max_keys + kAttnSplitKeys - 1) / kAttnSplitKeys; }
 
 void launch_combine(const AttnRow* rows, int n_rows, int splits, const AttnShape& shp, const float* workspace,
-                    Mat out, bool release_early, cudaStream_t s) {
+                    Mat out, bool release_early, KernelForms::Combine form, cudaStream_t s) {
   if (splits <= 1) return;
   const int64_t items = static_cast<int64_t>(n_rows) * shp.n_heads;
   // A warp per 32 dims of a head where the GPU holds all those warps at once (a few rows: the
   // kernel waits on each warp's chain; batch 1 verification 7.35 -> 7.27 ms a DFlash step), else
   // a warp per head (many rows: the heads' m and l would be loaded and merged by every warp of
   // the head; DFlash batch 8 10.27 -> 10.77 ms with a warp per 32 dims).
-  // DFLASH_COMBINE_WARP_PER_HEAD=1: a warp per head always (A/B timing; read at each launch, so
-  // tests compare both forms in one process: the same bits).
-  const bool warp_per_head = env_switch("DFLASH_COMBINE_WARP_PER_HEAD") == "1";
+  // `form` forces a side (tests: the same bits).
+  using Combine = KernelForms::Combine;
   const int dim_warps = (shp.head_dim + 31) / 32;
-  const bool split_dims = !warp_per_head && gpu_holds_grid(reinterpret_cast<const void*>(combine_kernel<1>), 128,
-                                                           (items * dim_warps + 3) / 4);
+  const bool split_dims =
+      form == Combine::by_rule
+          ? gpu_holds_grid(reinterpret_cast<const void*>(combine_kernel<1>), 128, (items * dim_warps + 3) / 4)
+          : form == Combine::per_32_dims;
   const auto kernel = split_dims ? combine_kernel<1> : shp.head_dim <= 128 ? combine_kernel<4> : combine_kernel<8>;
   const int per_head = split_dims ? dim_warps : 1;
   const unsigned blocks = static_cast<unsigned>((items * per_head + 3) / 4);
@@ -276,9 +276,10 @@ void launch_combine(const AttnRow* rows, int n_rows, int splits, const AttnShape
 
 }  // namespace
 
+// Released early, the o product's blocks are placed and stream their first weights while the
+// attention runs (H100: the DFlash step -0.1 ms at batch 1).
 bool attention_may_release_early(const void* kernel, int threads, int64_t blocks) {
-  static const bool off = env_switch("DFLASH_ATTN_EARLY_RELEASE") == "0";
-  return !off && gpu_holds_grid(kernel, threads, blocks);
+  return gpu_holds_grid(kernel, threads, blocks);
 }
 
 int sm_count() {
@@ -304,9 +305,10 @@ bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks) {
   return blocks <= it->second;
 }
 
-int64_t attention_workspace_bytes(int n_rows, int n_tiles, int max_keys, const AttnShape& shape, bool fused) {
+int64_t attention_workspace_bytes(int n_rows, int n_tiles, int max_keys, const AttnShape& shape, bool fused,
+                                  KernelForms::Splits form) {
   const int splits = max_splits_for(max_keys);
-  if (splits <= 1 || attention_mma_combines_splits(shape, n_tiles, splits, fused)) return 0;
+  if (splits <= 1 || attention_mma_combines_splits(shape, n_tiles, splits, fused, form)) return 0;
   return static_cast<int64_t>(n_rows) * shape.n_heads * splits * (shape.head_dim + 2) * sizeof(float);
 }
 
@@ -323,22 +325,22 @@ bool attention_fresh_supported(const AttnShape& shp, int n_tiles, int max_keys) 
 void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
                             const AttnRow* rows, int n_rows, const AttnTile* tiles, int n_tiles, int max_keys,
                             const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
-                            cudaStream_t s) {
+                            const KernelForms& forms, cudaStream_t s) {
   if (n_rows == 0) return;
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
   bool early = false, combined = false;
   launch_attention_mma(q, fresh, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out,
-                       early, combined, s);
-  if (!combined) launch_combine(rows, n_rows, splits, shp, workspace, out, early, s);
+                       forms.attention_splits, early, combined, s);
+  if (!combined) launch_combine(rows, n_rows, splits, shp, workspace, out, early, forms.combine, s);
 }
 
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
                       const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
-                      const AttnShape& shp, float* workspace, Mat out, cudaStream_t s) {
+                      const AttnShape& shp, float* workspace, Mat out, const KernelForms& forms, cudaStream_t s) {
   if (n_rows == 0) return;
   if (attention_mma_heads(shp) > 0)
     return launch_attention_fresh(q, AttnFresh{}, k_cache, v_cache, rows, n_rows, tiles, n_tiles, max_keys,
-                                  page_tables, shp, workspace, out, s);
+                                  page_tables, shp, workspace, out, forms, s);
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kGroupChunk(group) - 1) / kGroupChunk(group);
   const dim3 grid(static_cast<unsigned>(n_rows * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
@@ -357,7 +359,7 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
   else if (shp.head_dim <= 64) by_group(std::integral_constant<int, 2>{});
   else if (shp.head_dim <= 128) by_group(std::integral_constant<int, 4>{});
   else by_group(std::integral_constant<int, 8>{});
-  launch_combine(rows, n_rows, splits, shp, workspace, out, /*release_early=*/false, s);
+  launch_combine(rows, n_rows, splits, shp, workspace, out, /*release_early=*/false, forms.combine, s);
 }
 
 }  // namespace dflash::cuda

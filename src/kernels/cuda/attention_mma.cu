@@ -22,15 +22,12 @@
 // result does not depend on the rows it is batched with.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <stdexcept>
-#include <string>
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/attention_mma.h"
 #include "kernels/cuda/device_math.cuh"
-#include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/rope_math.cuh"
 
@@ -53,11 +50,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 }
 
 __device__ __forceinline__ uint4 load16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-// A key row's 16 bytes: with l2_hint, L2 fetches the whole 128-byte line from DRAM (a key row's
-// head is 128-256 bytes); kL2Only: through L2 only (.cg, not kept in L1) instead of the read-only path.
+// A key row's 16 bytes, L2 fetching the whole 128-byte line from DRAM at once (a key row's head
+// is 128-256 bytes; key and value rows both carry the hint: H100, context 2048, batch 32, 11.62
+// -> 11.45 ms a plain step, no change at batch 1); kL2Only: through L2 only (.cg, not kept in L1)
+// instead of the read-only path.
 template <bool kL2Only>
-__device__ __forceinline__ uint4 load_key16(const bf16* p, bool l2_hint) {
-  if (!l2_hint) return kL2Only ? __ldcg(reinterpret_cast<const uint4*>(p)) : load16(p);
+__device__ __forceinline__ uint4 load_key16(const bf16* p) {
   uint4 v;
   if constexpr (kL2Only)
     asm volatile("ld.global.cg.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -121,7 +119,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
                                              const int (&vpos)[2], const int (&lo)[2], const int (&hi)[2],
                                              const int (&vsplits)[2], const bool (&vok)[2], float* workspace,
                                              int max_splits, bf16* out, int64_t out_stride, bf16 (*v_s)[16][HD + 8],
-                                             float* merge_s, bf16 (*q_s)[HD + 8], bool l2_hint, bool early_kv,
+                                             float* merge_s, bf16 (*q_s)[HD + 8],
                                              float (&st_m)[2], float (&st_l)[2], float* st_acc, Ready&& ready) {
   constexpr int kChunks = HD / 32;   // 32-dim chunks of the score product
   constexpr int kDimTiles = HD / 8;  // 8-dim tiles of the output
@@ -150,10 +148,10 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   const int64_t head_off = static_cast<int64_t>(kv_head) * hd;
   // Everything above reads only the batch's metadata (pdl.cuh: staged by copies that precede this
   // kernel, never written by a kernel), so it runs before the wait, under the previous kernel's tail.
-  // In the fused form so do the loads of keys and values already in the cache (early_kv): only
+  // In the fused form so do the loads of keys and values already in the cache: only
   // earlier steps' kernels wrote them, and those are complete once this kernel runs (its
   // predecessor, the q/k/v product, releases it after its own wait; pdl.cuh), so their DRAM
-  // latency goes under the product's tail too.
+  // latency goes under the product's tail too (H100, batch 1: about -0.02 ms a step).
 
   // V rows of the warp's 16 keys head for shared memory first, then K and Q into registers.
   constexpr int kPieces = 16 * HD / 8;  // 16-byte pieces of the warp's V tile
@@ -190,8 +188,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
   // of them comes from L1 as it was before they were written.
   auto request_kv = [&](bool through_l2) {
     for_v_pieces([&](int kr, int part, const bf16* src, bool ok, int, int64_t) {
-      if (l2_hint) cp_async16_hint<128>(&v_s[warp][kr][part * 8], src, ok);
-      else cp_async16(&v_s[warp][kr][part * 8], src, ok);
+      cp_async16_hint<128>(&v_s[warp][kr][part * 8], src, ok);
     });
     cp_async_commit();
 #pragma unroll
@@ -201,14 +198,14 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
       for (int t = 0; t < 2; ++t) {
         const bf16* kp = krow_ptr[t] + c * 32;
         kb[t][c] = !(kok[t] && d < hd) ? zero
-                   : through_l2        ? load_key16<true>(kp, l2_hint)
-                                       : load_key16<false>(kp, l2_hint);
+                   : through_l2        ? load_key16<true>(kp)
+                                       : load_key16<false>(kp);
       }
     }
   };
   // A warp whose 16 keys are all in the cache requests them before the wait; one with new keys
   // (from qkv, written by the product this kernel waits for) after it.
-  if (kFused && early_kv && !__any_sync(kFull, krow[0] >= 0 || krow[1] >= 0)) {
+  if (kFused && !__any_sync(kFull, krow[0] >= 0 || krow[1] >= 0)) {
     request_kv(true);
     ready();
   } else {
@@ -461,7 +458,7 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
     attention_mma_kernel(const bf16* q, int64_t q_stride, bf16* kc, int64_t k_stride, bf16* vc, int64_t v_stride,
                          AttnFresh fresh, const AttnRow* rows, const AttnTile* tiles, const int32_t* page_tables,
                          AttnShape shp, int heads, float* workspace, int max_splits, bf16* out, int64_t out_stride,
-                         int release_early, int l2_hint, int early_kv) {
+                         int release_early) {
   constexpr int kVRow = HD + 8;      // padded: the 8 rows an ldmatrix reads fall on different banks
   constexpr int kAccs = HD / 2;       // accumulators of a lane: HD / 8 tiles of 4
   // The warps' V tiles, then the merge data: every warp's (m, l) and the three quarters of its
@@ -483,7 +480,8 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
   // A grid that the GPU holds at once releases it at the start: every block of this kernel is
   // placed by then, and the product after the combine streams its first weights meanwhile.
   // The fused form's predecessor is the q/k/v product itself: released after the wait
-  // (release_early == 2), its successors start streaming when that product is done.
+  // (release_early == 2), its successors start streaming when that product is done (released
+  // before the wait they start sooner and slow it: plain batch 1 5.57 -> 5.72 ms on an H100).
   // The wait for the previous kernel comes inside the split (ready), after the work that needs
   // only the staged metadata; the end of the kernel waits again for blocks without a split.
   if (release_early == 1) pdl_release();
@@ -523,7 +521,7 @@ __global__ void __launch_bounds__(kWarps * 32, kLoop ? 4 : 0)
     attend_split<HD, kFused, kLoop>(q, q_stride, kc, k_stride, vc, v_stride, fresh, rows[tile.first_row],
                              chunk == 0 ? tile : AttnTile{0, 0}, page_tables, shp, kv_head, split, vrow, vhead, vpos,
                              lo, hi, vsplits, vok, workspace, max_splits, out, out_stride, v_s, merge_s, q_s,
-                             l2_hint != 0, early_kv != 0, st_m, st_l, &st_acc[0][0], ready);
+                             st_m, st_l, &st_acc[0][0], ready);
   };
   if constexpr (kLoop) {
     // The state starts empty; each split merges into it in order.
@@ -552,48 +550,33 @@ dim3 grid_of(const AttnShape& shp, int n_tiles, int splits) {
 }  // namespace
 
 int attention_mma_heads(const AttnShape& shp) {
-  static const bool off = env_switch("DFLASH_ATTN_MMA") == "0";
-  if (shp.head_dim > 128 || off) return 0;
+  if (shp.head_dim > 128) return 0;
   return std::min(shp.n_heads / shp.n_kv_heads, kVecs);
 }
 
 namespace {
-// Whether a grid of `blocks` blocks a split (the non-fused kernel) runs its splits in a loop:
-// DFLASH_ATTN_SPLIT_LOOP=1 always, 0 never, else when the blocks alone fill the GPU several
-// times over (DFLASH_ATTN_LOOP_MIN_BLOCKS, default 4 per SM). Read at each launch, so tests can
-// compare both forms in one process (the same bits either way).
-bool loop_splits(int64_t blocks) {
-  const std::string mode = env_switch("DFLASH_ATTN_SPLIT_LOOP");
-  if (mode == "0" || mode == "1") return mode == "1";
-  const std::string min_blocks = env_switch("DFLASH_ATTN_LOOP_MIN_BLOCKS");
-  if (min_blocks.empty()) return blocks >= 4 * int64_t{sm_count()};
-  char* end = nullptr;
-  const long long n = std::strtoll(min_blocks.c_str(), &end, 10);
-  if (end == min_blocks.c_str() || *end != '\0' || n < 0)
-    throw std::invalid_argument("DFLASH_ATTN_LOOP_MIN_BLOCKS must be a block count, got '" + min_blocks + "'");
-  return blocks >= n;
+// Whether a grid of `blocks` blocks a split (the non-fused kernel) runs its splits in a loop: when
+// the blocks alone fill the GPU several times over (4 per SM: the DFlash verification and draft
+// blocks of batch 32; batch 8 and plain batch 32 are slower in the loop), unless `form` forces a side.
+bool loop_splits(int64_t blocks, KernelForms::Splits form) {
+  using Splits = KernelForms::Splits;
+  if (form != Splits::by_rule) return form == Splits::loop;
+  return blocks >= 4 * int64_t{sm_count()};
 }
 }  // namespace
 
 void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
                           const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
                           const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
-                          bool& released_early, bool& combined, cudaStream_t s) {
-  // Key and value rows are read with a 128-byte L2 prefetch hint (H100, context 2048, batch 32:
-  // 11.62 -> 11.45 ms a plain step; no change at batch 1); DFLASH_ATTN_L2_HINT=0 turns it off.
-  static const int l2_hint = env_switch("DFLASH_ATTN_L2_HINT") != "0";
-  static const bool fresh_release_after_wait = env_switch("DFLASH_FRESH_RELEASE") != "before";
-  // The fused form requests the cached keys and values before its wait; DFLASH_ATTN_EARLY_KV=0
-  // after it (A/B timing).
-  static const int early_kv = env_switch("DFLASH_ATTN_EARLY_KV") != "0";
-  combined = attention_mma_combines_splits(shp, n_tiles, splits, fresh.k != nullptr);
+                          KernelForms::Splits form, bool& released_early, bool& combined, cudaStream_t s) {
+  combined = attention_mma_combines_splits(shp, n_tiles, splits, fresh.k != nullptr, form);
   const dim3 grid = grid_of(shp, n_tiles, combined ? 1 : splits);
   const int heads = attention_mma_heads(shp);
   auto run = [&](auto kernel) {
     released_early = attention_may_release_early(reinterpret_cast<const void*>(kernel), kWarps * 32, int64_t{grid.x} * grid.y);
     launch(kernel, grid, kWarps * 32, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
            v_cache.stride, fresh, rows, tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride,
-           released_early ? (fresh.k && fresh_release_after_wait ? 2 : 1) : 0, l2_hint, early_kv);
+           released_early ? (fresh.k ? 2 : 1) : 0);
   };
   if (fresh.k) {
     if (shp.head_dim <= 64) run(attention_mma_kernel<64, true, false>);
@@ -607,8 +590,9 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
   }
 }
 
-bool attention_mma_combines_splits(const AttnShape& shp, int n_tiles, int splits, bool fused) {
-  return attention_mma_heads(shp) > 0 && !fused && splits > 1 && loop_splits(grid_of(shp, n_tiles, 1).x);
+bool attention_mma_combines_splits(const AttnShape& shp, int n_tiles, int splits, bool fused,
+                                   KernelForms::Splits form) {
+  return attention_mma_heads(shp) > 0 && !fused && splits > 1 && loop_splits(grid_of(shp, n_tiles, 1).x, form);
 }
 
 bool attention_mma_fresh_in_one_wave(const AttnShape& shp, int n_tiles, int splits) {

@@ -10,8 +10,7 @@ namespace dflash::cuda {
 int attention_mma_heads(const AttnShape& shape);
 
 // Whether an attention grid of `blocks` blocks of `threads` may release its successor at its
-// start: only when the GPU holds all its blocks at once (pdl.cuh; DFLASH_ATTN_EARLY_RELEASE=0
-// turns it off, for A/B timings).
+// start: only when the GPU holds all its blocks at once (pdl.cuh).
 bool attention_may_release_early(const void* kernel, int threads, int64_t blocks);
 
 // Whether the GPU holds `blocks` blocks of `threads` of `kernel` at once (occupancy x SMs).
@@ -25,8 +24,10 @@ bool attention_mma_fresh_in_one_wave(const AttnShape& shape, int n_tiles, int sp
 int sm_count();
 
 // Whether the tensor-core kernel takes its loop form for this call: one block runs a tile's
-// `splits` splits and combines them, so no partials go through the workspace.
-bool attention_mma_combines_splits(const AttnShape& shape, int n_tiles, int splits, bool fused);
+// `splits` splits and combines them, so no partials go through the workspace (`form`: the rule,
+// or a side forced by KernelForms).
+bool attention_mma_combines_splits(const AttnShape& shape, int n_tiles, int splits, bool fused,
+                                   KernelForms::Splits form);
 
 // Partial results of rows with several splits go to `workspace` for the combine kernel, unless
 // the kernel combined them itself (`combined`: large grids, the loop form). released_early:
@@ -35,6 +36,6 @@ bool attention_mma_combines_splits(const AttnShape& shape, int n_tiles, int spli
 void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
                           const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
                           const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
-                          bool& released_early, bool& combined, cudaStream_t s);
+                          KernelForms::Splits form, bool& released_early, bool& combined, cudaStream_t s);
 
 }  // namespace dflash::cuda

@@ -8,7 +8,6 @@
 #include <stdexcept>
 
 #include "kernels/cuda/device_math.cuh"
-#include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/rope_math.cuh"
@@ -107,12 +106,19 @@ __global__ void add_rms_norm_kernel(const R* res, int64_t res_stride, const bf16
 
 // The same two norms for rows that fit in registers (norm_row's conditions).
 // kAdd: residual + delta goes to res_out (may be res) and is normalized; else res is.
+//
+// It lets the next kernel be scheduled before its own wait: the product after it (gate/up,
+// q/k/v) is launched while the product before it still runs, and streams its first weights as
+// soon as the SMs have room, instead of after that product is done and the norm has started. It
+// waits for the norm to finish all the same. H100, bench-step at context 512: the DFlash step
+// 7.70 -> 7.52 ms at batch 1, plain batch 8 6.34 -> 6.23 ms, batch 1 unchanged (its norms are
+// inside the products).
 template <bool kAdd, typename R>
 __global__ void __launch_bounds__(kRowThreads)
     rms_norm_vec_kernel(const R* res, int64_t res_stride, const bf16* delta, int64_t delta_stride, R* res_out,
                         int64_t res_out_stride, const bf16* w, float eps, int cols, bf16* out, int64_t out_stride,
-                        int release_first, bf16* cap, int64_t cap_stride) {
-  if (release_first) pdl_release();  // see norm_releases_first
+                        bf16* cap, int64_t cap_stride) {
+  pdl_release();
   pdl_begin();
   const int64_t r = blockIdx.x;
   bf16* o = out + r * out_stride;
@@ -398,24 +404,13 @@ void launch_gather_rows(const Rows& src, const int32_t* rows, Mat out, cudaStrea
            src.cols, out.data, out.stride);
 }
 
-// Whether the RMSNorm kernel lets the next kernel be scheduled before its own wait: the product
-// after it (gate/up, q/k/v) is launched while the product before it still runs, and streams its
-// first weights as soon as the SMs have room, instead of after that product is done and the norm
-// has started. It waits for the norm to finish all the same. H100, bench-step at context 512: the
-// DFlash step 7.70 -> 7.52 ms at batch 1, plain batch 8 6.34 -> 6.23 ms, batch 1 unchanged (its
-// norms are inside the products). DFLASH_NORM_EARLY_RELEASE=0: release after the wait (A/B).
-int norm_releases_first() {
-  static const bool on = env_switch("DFLASH_NORM_EARLY_RELEASE") != "0";
-  return on ? 1 : 0;
-}
-
 template <typename R>
 void rms_norm_as(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t s) {
   const R* xd = static_cast<const R*>(x.data);
   if (rows_fit_registers(x.cols, {x.stride, out.stride}, {x.data, w, out.data})) {
     launch(rms_norm_vec_kernel<false, R>, x.rows, kRowThreads, s, xd, x.stride, static_cast<const bf16*>(nullptr),
            int64_t{0}, static_cast<R*>(nullptr), int64_t{0}, w, eps, static_cast<int>(x.cols), out.data, out.stride,
-           norm_releases_first(), static_cast<bf16*>(nullptr), int64_t{0});
+           static_cast<bf16*>(nullptr), int64_t{0});
     return;
   }
   launch(rms_norm_kernel<R>, x.rows, kRowThreads, s, xd, x.stride, w, eps, x.cols, out.data, out.stride);
@@ -441,8 +436,8 @@ void add_rms_norm_as(const Rows& residual, const Mat& delta, Rows residual_out, 
   R* rod = static_cast<R*>(residual_out.data);
   if (add_rms_norm_captures(residual, delta, residual_out, w, out, capture)) {
     launch(rms_norm_vec_kernel<true, R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride,
-           rod, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride, norm_releases_first(),
-           capture.data, capture.stride);
+           rod, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride, capture.data,
+           capture.stride);
     return;
   }
   if (capture.data) throw std::logic_error("add_rms_norm: a capture needs the one-pass kernel (add_rms_norm_captures)");

@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/kernel_forms.h"
+
 namespace dflash::cuda {
 
 using bf16 = uint16_t;
@@ -25,7 +27,8 @@ struct Rows {
   bool f32;
 };
 
-// Programmatic dependent launch for every kernel below (Hopper and later; see pdl.cuh).
+// Programmatic dependent launch for every kernel below (pdl.cuh), on devices that have it (Hopper
+// and later); the backend sets it once.
 void set_pdl_enabled(bool on);
 
 // out[r] = table[ids[r]]; with a map, rows where map[r] >= 0 take dev_ids[map[r]] instead (ids
@@ -101,15 +104,17 @@ void launch_fill_random(bf16* dst, int64_t n, uint64_t seed, float scale, cudaSt
 // out = x * w^T (+ bias) for x.rows <= kSkinnyMaxRows, streaming w once with
 // tensor cores. Each output element is reduced in an order that depends only
 // on K, never on the number of rows, so a row's result is identical whether it
-// is computed alone or in a batch. Needs K % 8 == 0 and 16-byte aligned rows.
+// is computed alone or in a batch. Needs K % 8 == 0 and 16-byte aligned rows. `wide`: the block
+// form (KernelForms; every form gives the same bits).
 constexpr int kSkinnyMaxRows = 32;
 bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out);
-void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s);
+void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, KernelForms::Wide wide,
+                        cudaStream_t s);
 // The product of `count` row groups (Backend::matmul_row_groups): w is the first group, group g's
 // rows start g * group_step rows after it, and its outputs are columns g * w.rows, ... of out.
 bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count);
 void launch_skinny_gemm_groups(const Mat& x, const Mat& w, int count, int64_t group_step, Mat out, int n_sms,
-                               cudaStream_t s);
+                               KernelForms::Wide wide, cudaStream_t s);
 // out = silu(g) * u with [g | u] = x * w^T (+ bias), w = [gate; up] of 2 * out.cols rows, g and u
 // kept in float32 (launch_skinny_gemm followed by launch_swiglu rounds them to bf16 first).
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s);
@@ -168,7 +173,9 @@ struct AttnShape {
 constexpr int kAttnSplitKeys = 64;
 // Bytes of float workspace the attention needs for `n_rows` rows in `n_tiles` tiles of at most
 // `max_keys` keys (none where the kernel combines its splits itself); fused: the AttnFresh form.
-int64_t attention_workspace_bytes(int n_rows, int n_tiles, int max_keys, const AttnShape& shape, bool fused);
+// `splits` must be the form the launch gets (KernelForms).
+int64_t attention_workspace_bytes(int n_rows, int n_tiles, int max_keys, const AttnShape& shape, bool fused,
+                                  KernelForms::Splits splits);
 
 // Consecutive rows of one sequence that share a block of the tensor-core kernel.
 struct AttnTile {
@@ -177,16 +184,17 @@ struct AttnTile {
 // Rows per tile for a shape: tiles group at most this many rows (never two sequences).
 int attention_rows_per_tile(const AttnShape& shape);
 
-// Attention of every row over its sequence's paged keys; `tiles` cover the rows.
+// Attention of every row over its sequence's paged keys; `tiles` cover the rows. `forms`: how
+// splits run and combine (KernelForms; every form gives the same bits).
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
                       const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
-                      const AttnShape& shape, float* workspace, Mat out, cudaStream_t s);
+                      const AttnShape& shape, float* workspace, Mat out, const KernelForms& forms, cudaStream_t s);
 // The fused form (AttnFresh) exists for head_dim 64 and 128 on the tensor-core kernel, and is
 // taken while its grid (n_tiles tiles of attention_rows_per_tile rows) fits the GPU at once.
 bool attention_fresh_supported(const AttnShape& shape, int n_tiles, int max_keys);
 void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
                             const AttnRow* rows, int n_rows, const AttnTile* tiles, int n_tiles, int max_keys,
                             const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
-                            cudaStream_t s);
+                            const KernelForms& forms, cudaStream_t s);
 
 }  // namespace dflash::cuda

@@ -12,7 +12,7 @@ int alignment_of(const void* p) {
 }
 }  // namespace
 
-LtGemm::LtGemm(cudaStream_t stream) : stream_(stream) {
+LtGemm::LtGemm() {
   CUBLAS_CHECK(cublasLtCreate(&handle_));
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
 }
@@ -61,14 +61,14 @@ LtGemm::Plan& LtGemm::plan_for(const Key& key) {
   return plans_.emplace(key, p).first->second;
 }
 
-void LtGemm::run(const Mat& x, const Mat& w, Mat out) {
+void LtGemm::run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream) {
   if (x.rows == 0 || w.rows == 0) return;
   const Key key{x.rows, w.rows, x.cols, x.stride, w.stride, out.stride,
                 alignment_of(x.data), alignment_of(w.data), alignment_of(out.data)};
   Plan& p = plan_for(key);
   const float one = 1.0f, zero = 0.0f;
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &one, w.data, p.a, x.data, p.b, &zero, out.data, p.d, out.data, p.d,
-                              &p.algo, workspace_, workspace_bytes_, stream_));
+                              &p.algo, workspace_, workspace_bytes_, stream));
 }
 
 }  // namespace dflash::cuda

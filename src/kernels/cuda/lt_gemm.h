@@ -14,12 +14,12 @@ namespace dflash::cuda {
 
 class LtGemm {
  public:
-  explicit LtGemm(cudaStream_t stream);
+  LtGemm();
   ~LtGemm();
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
 
-  void run(const Mat& x, const Mat& w, Mat out);
+  void run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream);
   size_t n_plans() const { return plans_.size(); }
   size_t workspace_bytes() const { return workspace_bytes_; }
 
@@ -33,7 +33,6 @@ class LtGemm {
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int>;
   Plan& plan_for(const Key& key);
 
-  cudaStream_t stream_;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 32u << 20;

@@ -27,7 +27,8 @@
 
 namespace dflash::cuda {
 
-// Set once by the backend: the device supports it and DFLASH_PDL is not "0".
+// Set once by the backend: on where the device has it (Hopper and later). Kernels compiled for
+// earlier architectures have no griddepcontrol instructions (below) and launch as usual.
 inline bool g_pdl_enabled = false;
 
 __device__ __forceinline__ void pdl_wait() {

@@ -12,6 +12,11 @@
 // increasing order; the 8 warp partials are then added in warp order. This
 // depends only on K, so a row's result is bit-identical for any M.
 //
+// Weight loads carry a 128-byte L2 prefetch hint: a warp asks for 64 bytes of
+// each of its 16 rows per chunk, and with the hint L2 fetches the whole line
+// from DRAM at once (H100, bench-step at context 512: plain batch 1 6.06 ->
+// 5.83 ms, the DFlash step 8.43 -> 8.11 ms; a 256-byte hint was no better).
+//
 // The normalizing form (kNorm, up to a few rows) takes its input from the
 // residual stream instead: each block computes rmsnorm(residual + delta) of
 // the rows into shared memory with the RMSNorm kernels' own code (row_norm.cuh),
@@ -20,10 +25,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <string>
 
 #include "kernels/cuda/device_math.cuh"
-#include "kernels/cuda/env_switch.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/row_norm.cuh"
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
                                                                   bf16* __restrict__ out, int64_t out_stride,
-                                                                  RowNorm norm, int l2_hint, int64_t w_group_step,
+                                                                  RowNorm norm, int64_t w_group_step,
                                                                   int out_group_cols) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
@@ -125,9 +128,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       const int k = k0 + part * 8;
       const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
       const bf16* src = ok ? w + row * w_stride + k : w;
-      if (l2_hint == 2) cp_async16_hint<256>(&st.w[rt][r][part], src, ok);
-      else if (l2_hint == 1) cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
-      else cp_async16(&st.w[rt][r][part], src, ok);
+      cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
     }
   };
   auto issue_x = [&](int i) {
@@ -249,18 +250,6 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   }
 }
 
-// L2 prefetch-size hint of the weight loads (1: 128 bytes, 2: 256, 0: none): a warp asks for
-// 64 bytes of each of its 16 rows per chunk, and with the hint L2 fetches whole 128-byte lines
-// from DRAM at once (H100, bench-step at context 512: plain batch 1 6.06 -> 5.83 ms, the DFlash
-// step 8.43 -> 8.11 ms). DFLASH_L2_HINT=0 or 256 picks another (A/B timings).
-int weight_l2_hint() {
-  static const int hint = [] {
-    const std::string s = env_switch("DFLASH_L2_HINT");
-    return s == "256" ? 2 : s == "0" ? 0 : 1;
-  }();
-  return hint;
-}
-
 // Whether the device gives a block the wide ring's shared memory (H100: 227 KiB).
 bool wide_ring_fits() {
   static const bool fits = [] {
@@ -305,7 +294,7 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>, dim3(blocks, groups.count), kWarps * 32, smem, s,
               x.data, x.stride,
               static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
-              out.data, out.stride, norm, weight_l2_hint(), groups.w_step, groups.out_cols);
+              out.data, out.stride, norm, groups.w_step, groups.out_cols);
 }
 
 template <int RT, bool kSwiglu = false, bool kWide = false>
@@ -327,13 +316,12 @@ void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream
 // as many weight bytes in flight as two blocks did. The tiles and the ring never change a
 // feature's reduction order (the warps split K alone), so every form gives the same bits.
 // H100, bench-step at context 512: the DFlash step 7.93 -> 7.69 ms at batch 1, 9.47 -> 8.50 ms
-// at batch 2 (wide blocks with the 12 KiB ring: 8.22 ms at batch 1). DFLASH_SKINNY_WIDE (read at
-// each launch, so tests compare the forms): 0 never, all at any number of tokens.
+// at batch 2 (wide blocks with the 12 KiB ring: 8.22 ms at batch 1). `wide` forces a side (tests).
 constexpr int kMaxRowTiles = 4;
-int wide_row_tiles(const Mat& w, int64_t m, int n_sms) {
+int wide_row_tiles(const Mat& w, int64_t m, int n_sms, KernelForms::Wide wide) {
+  using Wide = KernelForms::Wide;
   if (w.rows >= int64_t{32} * 2 * n_sms) return 0;  // two tiles a block leave two blocks per SM
-  const std::string mode = env_switch("DFLASH_SKINNY_WIDE");
-  if (mode == "0" || (m <= 8 && mode != "all") || !wide_ring_fits()) return 0;
+  if (wide == Wide::never || (m <= 8 && wide != Wide::any_rows) || !wide_ring_fits()) return 0;
   const int64_t per_sm = (w.rows + int64_t{16} * n_sms - 1) / (int64_t{16} * n_sms);
   return per_sm <= 1 ? 0 : static_cast<int>(std::min<int64_t>(per_sm, kMaxRowTiles));
 }
@@ -351,8 +339,8 @@ bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out) {
 namespace {
 // The block shape for all of a launch's groups together (`all`: every group's rows), then the launch.
 void launch_tiled(const Mat& x, const Mat& w, const Mat& all, const bf16* bias, Mat out, Groups groups, int n_sms,
-                  cudaStream_t s) {
-  switch (wide_row_tiles(all, x.rows, n_sms)) {
+                  KernelForms::Wide wide, cudaStream_t s) {
+  switch (wide_row_tiles(all, x.rows, n_sms, wide)) {
     case 0: break;
     case 2: return launch_rt<2, false, true>(x, w, bias, out, s, groups);
     case 3: return launch_rt<3, false, true>(x, w, bias, out, s, groups);
@@ -363,8 +351,9 @@ void launch_tiled(const Mat& x, const Mat& w, const Mat& all, const bf16* bias, 
 }
 }  // namespace
 
-void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, cudaStream_t s) {
-  launch_tiled(x, w, w, bias, out, Groups{}, n_sms, s);
+void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, KernelForms::Wide wide,
+                        cudaStream_t s) {
+  launch_tiled(x, w, w, bias, out, Groups{}, n_sms, wide, s);
 }
 
 bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count) {
@@ -372,11 +361,11 @@ bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count) {
 }
 
 void launch_skinny_gemm_groups(const Mat& x, const Mat& w, int count, int64_t group_step, Mat out, int n_sms,
-                               cudaStream_t s) {
+                               KernelForms::Wide wide, cudaStream_t s) {
   Mat all = w;
   all.rows = w.rows * count;
   launch_tiled(x, w, all, nullptr, out, Groups{static_cast<unsigned>(count), group_step * w.stride, static_cast<int>(w.rows)},
-               n_sms, s);
+               n_sms, wide, s);
 }
 
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s) {

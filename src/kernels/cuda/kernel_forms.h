@@ -1,0 +1,31 @@
+// Kernel forms the CUDA backend chooses by a rule on the shapes: each side of these rules runs in
+// production (the rule decides by batch and grid size), and every side gives the same bits. Tests
+// force one side to compare them; production leaves every form to its rule. No CUDA headers here:
+// the tests include it in every build.
+#pragma once
+
+namespace dflash {
+
+class Backend;
+
+namespace cuda {
+
+struct KernelForms {
+  // Attention splits of kAttnSplitKeys keys: one block each, then the combine kernel (parallel),
+  // or one block per tile running its splits in order and combining them itself (loop). Rule: the
+  // loop where the grid without splits has at least 4 blocks per SM.
+  enum class Splits { by_rule, parallel, loop } attention_splits = Splits::by_rule;
+  // The split combine: a warp per 32 dims of a head, or a warp per head. Rule: per 32 dims where
+  // the GPU holds all those warps at once.
+  enum class Combine { by_rule, per_32_dims, per_head } combine = Combine::by_rule;
+  // Skinny products over a few thousand weight rows: wide blocks (one per SM, several row tiles
+  // each) or the usual ones. Rule: wide at more than 8 token rows; any_rows: at any number.
+  enum class Wide { by_rule, never, any_rows } skinny_wide = Wide::by_rule;
+};
+
+// Sets the forms of a backend made by make_cuda_backend (tests). Throws Error for any other
+// backend and in builds without CUDA.
+void force_kernel_forms(Backend& cuda_backend, const KernelForms& forms);
+
+}  // namespace cuda
+}  // namespace dflash

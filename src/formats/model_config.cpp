@@ -114,6 +114,8 @@ RopeConfig parse_rope(const Fields& f) {
 void parse_layers(const Fields& f, ModelConfig& c) {
   c.n_embd = static_cast<int>(f.positive("hidden_size"));
   c.n_layers = static_cast<int>(f.positive("num_hidden_layers"));
+  // Per-layer lists are sized from this before any weight is seen (2^30 asked for 4 GiB).
+  check(c.n_layers <= 4096, f.where(), ": field 'num_hidden_layers' is implausibly large: ", c.n_layers);
   c.n_heads = static_cast<int>(f.positive("num_attention_heads"));
   c.n_kv_heads = f.has("num_key_value_heads") ? static_cast<int>(f.positive("num_key_value_heads")) : c.n_heads;
   check(c.n_heads % c.n_kv_heads == 0, f.where(), ": num_attention_heads (", c.n_heads,
@@ -243,14 +245,15 @@ GenerationConfig parse_generation_config(const json& j, const std::string& where
   return g;
 }
 
-// Parses a JSON file; an error names the file.
-static json parse_json_file(const std::string& path) {
+json parse_config_text(const std::string& text, const std::string& where) {
   try {
-    return json::parse(read_text_file(path));
+    return json::parse(text);
   } catch (const json::exception& e) {
-    throw Error(cat(path, ": invalid JSON: ", e.what()));
+    throw Error(cat(where, ": invalid JSON: ", e.what()));
   }
 }
+
+static json parse_json_file(const std::string& path) { return parse_config_text(read_text_file(path), path); }
 
 json load_config_json(const std::string& dir) {
   const std::string path = dir + "/config.json";

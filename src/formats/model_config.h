@@ -66,6 +66,9 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 DraftConfig parse_draft_config(const nlohmann::json& j, const std::string& where);
 GenerationConfig parse_generation_config(const nlohmann::json& j, const std::string& where);
 
+// Parses the text of a config file; invalid JSON throws Error naming `where`.
+nlohmann::json parse_config_text(const std::string& text, const std::string& where);
+
 // Read DIR/config.json (and DIR/generation_config.json; absent gives defaults).
 nlohmann::json load_config_json(const std::string& dir);
 ModelConfig load_model_config(const std::string& dir);

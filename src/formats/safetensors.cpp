@@ -59,27 +59,26 @@ std::string TensorInfo::shape_str() const {
   return s + "]";
 }
 
-SafetensorsFile::SafetensorsFile(const std::string& path)
-    : file_(std::make_shared<MappedFile>(path)) {
-  const size_t size = file_->size();
+SafetensorsHeader parse_safetensors(const uint8_t* data, size_t size, const std::string& path) {
+  SafetensorsHeader out;
   check(size >= 8, path, ": truncated: ", size, " bytes, no room for the 8-byte header length");
   uint64_t header_len;
-  std::memcpy(&header_len, file_->data(), 8);  // little-endian on every supported host
+  std::memcpy(&header_len, data, 8);  // little-endian on every supported host
   check(header_len <= kMaxHeaderBytes, path, ": header length ", header_len, " is implausibly large");
   check(header_len <= size - 8, path, ": header length ", header_len, " points past the end of the file (",
         size, " bytes)");
-  const std::string header(reinterpret_cast<const char*>(file_->data()) + 8, header_len);
+  const std::string header(reinterpret_cast<const char*>(data) + 8, header_len);
   const json j = parse_json_unique_keys(header, path);
   check(j.is_object(), path, ": header is not a JSON object");
 
-  const uint8_t* data_start = file_->data() + 8 + header_len;
+  const uint8_t* data_start = data + 8 + header_len;
   const uint64_t data_size = size - 8 - header_len;
   for (const auto& [name, entry] : j.items()) {
     if (name == "__metadata__") {
       check(entry.is_object(), path, ": __metadata__ is not an object");
       for (const auto& [k, v] : entry.items()) {
         check(v.is_string(), path, ": __metadata__ value '", k, "' is not a string");
-        metadata_[k] = v.get<std::string>();
+        out.metadata[k] = v.get<std::string>();
       }
       continue;
     }
@@ -114,18 +113,25 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
           " needs ", n_bytes, " bytes but data_offsets give ", end - begin);
     t.data = data_start + begin;
     t.n_bytes = end - begin;
-    tensors_.push_back(std::move(t));
+    out.tensors.push_back(std::move(t));
   }
   // Overlapping byte ranges mean a corrupt (or malicious) file.
   std::vector<const TensorInfo*> by_offset;
-  for (const auto& t : tensors_) by_offset.push_back(&t);
+  for (const auto& t : out.tensors) by_offset.push_back(&t);
   std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->data < b->data; });
   for (size_t i = 1; i < by_offset.size(); ++i) {
     const auto *prev = by_offset[i - 1], *cur = by_offset[i];
     check(prev->data + prev->n_bytes <= cur->data || prev->n_bytes == 0 || cur->n_bytes == 0, path,
           ": tensors '", prev->name, "' and '", cur->name, "' overlap");
   }
-  std::sort(tensors_.begin(), tensors_.end(), [](auto& a, auto& b) { return a.name < b.name; });
+  std::sort(out.tensors.begin(), out.tensors.end(), [](auto& a, auto& b) { return a.name < b.name; });
+  return out;
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : file_(std::make_shared<MappedFile>(path)) {
+  SafetensorsHeader h = parse_safetensors(file_->data(), file_->size(), path);
+  tensors_ = std::move(h.tensors);
+  metadata_ = std::move(h.metadata);
 }
 
 TensorStore TensorStore::open(const std::string& path) {

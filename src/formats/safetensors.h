@@ -25,6 +25,14 @@ struct TensorInfo {
   std::string shape_str() const;  // "[4096, 1024]"
 };
 
+// The validated header of a safetensors image in memory: tensors (data
+// pointing into that memory) and metadata. `where` names it in messages.
+struct SafetensorsHeader {
+  std::vector<TensorInfo> tensors;  // sorted by name
+  std::map<std::string, std::string> metadata;
+};
+SafetensorsHeader parse_safetensors(const uint8_t* data, size_t size, const std::string& where);
+
 // Parses and validates one safetensors file.
 class SafetensorsFile {
  public:

@@ -89,7 +89,7 @@ std::string Metrics::render(const ServingStats& st, const std::string& model) co
         static_cast<double>(st.graph_steps));
   gauge("dflash_dflash_steps_total", "counter", "DFlash sequence-steps (one draft block verified)",
         static_cast<double>(st.dflash_seq_steps));
-  gauge("dflash_requests_finished_total", "counter", "requests that ran to completion", static_cast<double>(st.n_finished));
+  gauge("dflash_requests_finished_total", "counter", "requests the engine has ended", static_cast<double>(st.n_finished));
   gauge("dflash_preemptions_total", "counter", "sequences preempted for KV pages (recomputed later)",
         static_cast<double>(st.n_preempted));
   gauge("dflash_kv_pages_used", "gauge", "KV-cache pages in use", st.kv_pages_used);

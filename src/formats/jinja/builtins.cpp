@@ -348,8 +348,17 @@ Value sort_key(const Value& v, bool case_sensitive, const Value& attribute) {
   return k;
 }
 
-std::string indent_text(const std::string& s, const Value& width_v, bool first, bool blank) {
-  const std::string pad = width_v.is_string() ? width_v.str_ref() : std::string(need_int(width_v, "width"), ' ');
+std::string indent_text(const Interpreter& it, const std::string& s, const Value& width_v, bool first, bool blank) {
+  // Python's ' ' * width: empty when negative; a huge one is over the output limit
+  // (a negative width used to become a huge std::string length and abort).
+  std::string pad;
+  if (width_v.is_string()) {
+    pad = width_v.str_ref();
+  } else {
+    const int64_t width = std::max<int64_t>(need_int(width_v, "width"), 0);
+    it.check_size(static_cast<size_t>(width));
+    pad.assign(static_cast<size_t>(width), ' ');
+  }
   std::string out;
   size_t i = 0;
   bool is_first = true;
@@ -363,6 +372,7 @@ std::string indent_text(const std::string& s, const Value& width_v, bool first, 
   }
   const bool trailing_newline = !s.empty() && s.back() == '\n';
   if (trailing_newline) lines.pop_back();
+  it.check_size(s.size() + pad.size() * lines.size());
   for (size_t k = 0; k < lines.size(); ++k) {
     if (!is_first) out += "\n";
     const bool add = (k == 0 ? first : true) && (blank || !lines[k].empty() || k == 0);
@@ -728,7 +738,7 @@ Value apply_filter(Interpreter& it, const std::string& name, const Value& in, Ca
     throw Error("method must be common, ceil or floor");
   }
   if (name == "indent") {
-    return Value(indent_text(in.str(), a.get(0, "width", Value(int64_t{4})), a.get(1, "first", Value(false)).truthy(),
+    return Value(indent_text(it, in.str(), a.get(0, "width", Value(int64_t{4})), a.get(1, "first", Value(false)).truthy(),
                              a.get(2, "blank", Value(false)).truthy()));
   }
   if (name == "center") {

@@ -482,7 +482,20 @@ Value Interpreter::binary(const Expr& e, const std::shared_ptr<Scope>& scope) {
 namespace {
 
 // jinja2's default globals that chat templates use, plus Hugging Face's.
-void add_globals(Scope& g, const RenderLimits& limits) {
+// Namespaces made during one render. Attribute assignment can make one hold
+// itself ({% set ns.me = ns %}), a shared_ptr cycle; clearing them all when the
+// render ends frees them (nothing made in a render outlives it, and the
+// `namespace` function is never called after it).
+struct Namespaces {
+  std::vector<std::weak_ptr<Dict>> made;
+  ~Namespaces() {
+    for (auto& w : made) {
+      if (auto d = w.lock()) d->items.clear();
+    }
+  }
+};
+
+void add_globals(Scope& g, const RenderLimits& limits, Namespaces* namespaces) {
   g.vars["range"] = Value::function("range", [limits](CallArgs& a) {
     check(!a.args.empty() && a.args.size() <= 3, "range expects 1 to 3 arguments");
     for (const Value& v : a.args) check(v.kind() == Value::Kind::Int, "range arguments must be integers");
@@ -498,8 +511,9 @@ void add_globals(Scope& g, const RenderLimits& limits) {
     }
     return Value(std::move(out));
   });
-  auto make_dict = [](CallArgs& a, bool ns) {
+  auto make_dict = [namespaces](CallArgs& a, bool ns) {
     auto d = std::make_shared<Dict>();
+    if (ns) namespaces->made.push_back(d);
     check(a.args.size() <= 1, ns ? "namespace" : "dict", "() takes at most one positional argument");
     if (!a.args.empty()) {
       check(a.args[0].is_dict(), ns ? "namespace" : "dict", "() argument must be a mapping");
@@ -531,9 +545,10 @@ Template::~Template() = default;
 Template::Template(Template&&) noexcept = default;
 
 std::string Template::render(const std::vector<std::pair<std::string, Value>>& vars, const RenderLimits& limits) const {
+  Namespaces namespaces;  // destroyed last: clears what the scopes below leave in cycles
   Interpreter it(limits);
   auto globals = std::make_shared<Scope>();
-  add_globals(*globals, limits);
+  add_globals(*globals, limits, &namespaces);
   for (const auto& [k, v] : vars) globals->vars[k] = v;
   auto scope = std::make_shared<Scope>();
   scope->parent = globals;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <vector>
 
 #include <utf8proc.h>
 
@@ -149,6 +150,21 @@ std::string py_str_repr(const std::string& s) {
   return out;
 }
 
+namespace {
+
+// Containers being printed, innermost last. A namespace can hold itself
+// ({% set ns.me = ns %}); one met again inside itself prints as Python's
+// reprlib does ([...], {...}) instead of recursing without end.
+thread_local std::vector<const void*> printing;
+
+struct Printing {
+  explicit Printing(const void* p) { printing.push_back(p); }
+  ~Printing() { printing.pop_back(); }
+  static bool active(const void* p) { return std::find(printing.begin(), printing.end(), p) != printing.end(); }
+};
+
+}  // namespace
+
 std::string Value::repr() const {
   switch (kind_) {
     case Kind::String: return py_str_repr(*s_);
@@ -166,6 +182,8 @@ std::string Value::str() const {
     case Kind::Float: return float_repr(f_);
     case Kind::String: return *s_;
     case Kind::List: {
+      if (Printing::active(l_.get())) return tuple_ ? "(...)" : "[...]";
+      const Printing guard(l_.get());
       std::string out = tuple_ ? "(" : "[";
       for (size_t i = 0; i < l_->size(); ++i) out += (i ? ", " : "") + (*l_)[i].repr();
       if (tuple_ && l_->size() == 1) out += ",";
@@ -173,6 +191,8 @@ std::string Value::str() const {
     }
     case Kind::Dict:
     case Kind::Namespace: {
+      if (Printing::active(d_.get())) return kind_ == Kind::Namespace ? "<Namespace {...}>" : "{...}";
+      const Printing guard(d_.get());
       std::string out = kind_ == Kind::Namespace ? "<Namespace {" : "{";
       for (size_t i = 0; i < d_->items.size(); ++i) {
         out += (i ? ", " : "") + d_->items[i].first.repr() + ": " + d_->items[i].second.repr();
@@ -269,7 +289,9 @@ bool equals(const Value& a, const Value& b) {
       }
       return true;
     }
-    default: return a.dict_ptr() == b.dict_ptr() && &a.fn() == &b.fn();
+    case K::Namespace: return a.dict_ptr() == b.dict_ptr();  // by identity, as Python
+    case K::Function: return &a.fn() == &b.fn();
+    default: return false;
   }
 }
 

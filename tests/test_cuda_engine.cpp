@@ -115,7 +115,6 @@ TEST_F(CudaEngine, DFlashEqualsPlainGreedyForTheBundledPair) {
 }
 
 TEST_F(CudaEngine, DFlashMatchSchemeEqualsPlainSamplingWithTopKOnTheGpu) {
-  setenv("DFLASH_GPU_TOP_K", "1", 1);  // top-k candidates selected on the device
   const auto ref = test::read_json(fixture("expected/pycoder16m_humaneval.json"));
   const EngineOptions eo = bundled_pair_on_gpu();
   Engine engine(eo);
@@ -146,14 +145,13 @@ TEST_F(CudaEngine, DFlashMatchSchemeEqualsPlainSamplingWithTopKOnTheGpu) {
 // between steps (a capture whose positions equal its KV slots must notice when they no longer do)
 // and the key count crosses a capacity granule (a second graph).
 TEST_F(CudaEngine, GraphReplaysOfNewBatchesEqualEagerSteps) {
-  unsetenv("DFLASH_GRAPHS");
   auto be = make_cuda_backend();
   TargetModel m(*be, fixture("targets/trained_qwen3"));
   const int page = 16, n_pages = 64;
   KvCache eager = m.alloc_cache(n_pages, page), graphed = m.alloc_cache(n_pages, page);
   std::vector<int32_t> identity(n_pages), shuffled(n_pages);
   for (int i = 0; i < n_pages; ++i) identity[i] = i, shuffled[i] = (i * 37 + 5) % n_pages;
-  StepGraphs graphs(*be, 16, /*capture_after=*/1);
+  StepGraphs graphs(*be, /*enabled=*/true, 16, /*capture_after=*/1);
   ASSERT_TRUE(graphs.on());
   std::mt19937 rng(3);
   for (int step = 0; step < 24; ++step) {
@@ -184,12 +182,15 @@ TEST_F(CudaEngine, GraphReplaysOfNewBatchesEqualEagerSteps) {
   }
 }
 
-// generate() through graphs equals generate() op by op (DFLASH_GRAPHS=0), plain and DFlash, greedy
+// generate() through graphs equals generate() op by op (graphs off), plain and DFlash, greedy
 // and sampled, long enough to cross key-capacity granules.
 TEST_F(CudaEngine, GenerateWithGraphsEqualsGenerateOpByOp) {
   const auto ref = test::read_json(fixture("expected/pycoder16m_humaneval.json"));
   const EngineOptions eo = bundled_pair_on_gpu();
   Engine engine(eo);
+  EngineOptions eager_options = eo;
+  eager_options.graphs = false;
+  Engine eager(eager_options);
   int i = 0;
   for (const auto& row : ref["rows"]) {
     if (i == 6) break;
@@ -200,9 +201,7 @@ TEST_F(CudaEngine, GenerateWithGraphsEqualsGenerateOpByOp) {
       go.use_default_eos = false;  // run all 300 tokens
       go.mode = mode;
       if (i % 2) go.sampling = {0.7f, 20, 0.95f, static_cast<uint64_t>(40 + i)};
-      setenv("DFLASH_GRAPHS", "0", 1);
-      const auto op_by_op = engine.generate(prompt, go);
-      unsetenv("DFLASH_GRAPHS");
+      const auto op_by_op = eager.generate(prompt, go);
       const auto graphed = engine.generate(prompt, go);
       const char* what = mode == SpeculativeMode::None ? "plain" : "dflash";
       EXPECT_EQ(graphed.tokens, op_by_op.tokens) << what << ", prompt " << i;
@@ -265,9 +264,9 @@ std::vector<std::vector<int32_t>> bundled_prompts(size_t n) {
 }
 
 // Greedy one-at-a-time generation, op by op.
-std::vector<std::vector<int32_t>> generate_all(const EngineOptions& eo, SpeculativeMode mode,
+std::vector<std::vector<int32_t>> generate_all(EngineOptions eo, SpeculativeMode mode,
                                                const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
-  setenv("DFLASH_GRAPHS", "0", 1);
+  eo.graphs = false;
   Engine engine(eo);
   std::vector<std::vector<int32_t>> out;
   for (const auto& p : prompts) {
@@ -276,20 +275,18 @@ std::vector<std::vector<int32_t>> generate_all(const EngineOptions& eo, Speculat
     go.mode = mode;
     out.push_back(engine.generate(p, go).tokens);
   }
-  unsetenv("DFLASH_GRAPHS");
   return out;
 }
 
 // Serving with graphs equals one-at-a-time generation op by op: plain 8 at once, DFlash 2 at once.
 // Products of more than 32 rows (prefill chunks beside decoding rows, wide verifications) go to
-// cuBLASLt, whose rows are not those of the skinny kernel; DFLASH_BATCH_INVARIANT=1 takes the
+// cuBLASLt, whose rows are not those of the skinny kernel; batch-invariant mode takes the
 // skinny kernel for every row, so that a sequence's tokens cannot depend on its batch.
 TEST_F(CudaEngine, ServingWithGraphsEqualsGenerateOpByOp) {
   const std::vector<std::vector<int32_t>> prompts = bundled_prompts(8);
-  const EngineOptions eo = bundled_pair_on_gpu();
-  setenv("DFLASH_BATCH_INVARIANT", "1", 1);
+  EngineOptions eo = bundled_pair_on_gpu();
+  eo.batch_invariant = true;
   for (auto mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
-    unsetenv("DFLASH_GRAPHS");
     ServingStats st;
     const auto got = serve_all(eo, mode, mode == SpeculativeMode::None ? 8 : 2, prompts, 200, &st);
     const char* what = mode == SpeculativeMode::None ? "plain" : "dflash";
@@ -299,40 +296,37 @@ TEST_F(CudaEngine, ServingWithGraphsEqualsGenerateOpByOp) {
     const auto expected = generate_all(eo, mode, prompts, 200);
     for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], expected[i]) << what << ", prompt " << i;
   }
-  unsetenv("DFLASH_BATCH_INVARIANT");
 }
 
 // DFlash serving of 8 at once (128 verification rows): graphs replay exactly what op-by-op steps
 // compute; by default some prompts differ from one-at-a-time plain generation (cuBLASLt rows; the
-// count is printed), with DFLASH_BATCH_INVARIANT=1 none does.
+// count is printed), in batch-invariant mode none does.
 TEST_F(CudaEngine, WideDFlashServingEqualsGenerateWhenBatchInvariant) {
   const std::vector<std::vector<int32_t>> prompts = bundled_prompts(8);
   const EngineOptions eo = bundled_pair_on_gpu();
-  unsetenv("DFLASH_BATCH_INVARIANT");
-  unsetenv("DFLASH_GRAPHS");
   ServingStats st;
   const auto with_graphs = serve_all(eo, SpeculativeMode::DFlash, 8, prompts, 200, &st);
   EXPECT_GT(st.graph_steps, 0);
-  setenv("DFLASH_GRAPHS", "0", 1);
-  const auto op_by_op = serve_all(eo, SpeculativeMode::DFlash, 8, prompts, 200);
-  unsetenv("DFLASH_GRAPHS");
+  EngineOptions eager = eo;
+  eager.graphs = false;
+  const auto op_by_op = serve_all(eager, SpeculativeMode::DFlash, 8, prompts, 200);
   const auto plain = generate_all(eo, SpeculativeMode::None, prompts, 200);
   int differ = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     EXPECT_EQ(with_graphs[i], op_by_op[i]) << "prompt " << i;
     differ += plain[i] != op_by_op[i];
   }
-  setenv("DFLASH_BATCH_INVARIANT", "1", 1);
-  const auto invariant = serve_all(eo, SpeculativeMode::DFlash, 8, prompts, 200);
-  const auto plain_invariant = generate_all(eo, SpeculativeMode::None, prompts, 200);
-  unsetenv("DFLASH_BATCH_INVARIANT");
+  EngineOptions invariant_options = eo;
+  invariant_options.batch_invariant = true;
+  const auto invariant = serve_all(invariant_options, SpeculativeMode::DFlash, 8, prompts, 200);
+  const auto plain_invariant = generate_all(invariant_options, SpeculativeMode::None, prompts, 200);
   int differ_invariant = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     EXPECT_EQ(invariant[i], plain_invariant[i]) << "batch-invariant, prompt " << i;
     differ_invariant += invariant[i] != plain_invariant[i];
   }
   std::printf("[bundled pair] DFlash serving 8 at once: %lld of %lld steps replayed graphs; prompts differing from "
-              "plain one-at-a-time generation: %d of %zu by default, %d with DFLASH_BATCH_INVARIANT=1\n",
+              "plain one-at-a-time generation: %d of %zu by default, %d batch-invariant\n",
               static_cast<long long>(st.graph_steps), static_cast<long long>(st.n_steps), differ, prompts.size(),
               differ_invariant);
 }

@@ -114,8 +114,8 @@ TEST(LosslessTest, ContextLimitShrinksTheBlock) {
     if (prompt.size() >= 37) continue;
     const auto plain = run(engine, prompt, 100, {}, SpeculativeMode::None);
     const auto spec = run(engine, prompt, 100, {}, SpeculativeMode::DFlash);
-    EXPECT_EQ(plain.stop_reason, "context");
-    EXPECT_EQ(spec.stop_reason, "context");
+    EXPECT_EQ(plain.stop_reason, FinishReason::Context);
+    EXPECT_EQ(spec.stop_reason, FinishReason::Context);
     EXPECT_EQ(plain.tokens.size(), 37 - prompt.size() + 1);
     EXPECT_EQ(spec.tokens, plain.tokens);
   }

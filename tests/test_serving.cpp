@@ -26,7 +26,7 @@ struct Collector {
   std::mutex mu;
   std::condition_variable cv;
   std::map<uint64_t, std::vector<int32_t>> tokens;
-  std::map<uint64_t, std::string> reasons;
+  std::map<uint64_t, FinishReason> reasons;
   int n_events = 0;
 
   ServingEngine::Callback callback_for(uint64_t* id_slot) {
@@ -103,7 +103,7 @@ void expect_same_as_generate(const Pair& pair, SpeculativeMode mode, int max_tok
     }
     const auto ref = engine.generate(pair.prompts[i], go);
     EXPECT_EQ(col.tokens[ids[i]], ref.tokens) << "prompt " << i;
-    EXPECT_EQ(col.reasons[ids[i]], ref.stop_reason == "eos" ? "stop" : "length") << "prompt " << i;
+    EXPECT_EQ(col.reasons[ids[i]], ref.stop_reason) << "prompt " << i;
   }
   const ServingStats st = server.stats();
   EXPECT_EQ(st.kv_pages_used, 0) << "pages left in use after every request finished";
@@ -204,7 +204,7 @@ TEST(Serving, CancelFreesPagesAndBadRequestsAreRefused) {
   }
   server.cancel(id);
   col.wait_for(1);
-  EXPECT_EQ(col.reasons[id], "cancelled");
+  EXPECT_EQ(col.reasons[id], FinishReason::Cancelled);
   // Pages are free (and the metrics say so) by the time the client hears that its request ended.
   EXPECT_EQ(server.stats().kv_pages_used, 0);
   uint64_t short_id = 0;
@@ -219,7 +219,7 @@ TEST(Serving, CancelFreesPagesAndBadRequestsAreRefused) {
     });
   }
   col.wait_for(2);
-  EXPECT_EQ(col.reasons[short_id], "length");
+  EXPECT_EQ(col.reasons[short_id], FinishReason::Length);
   EXPECT_EQ(used_at_end, 0);
 
   auto refused = [&](RequestParams p) {

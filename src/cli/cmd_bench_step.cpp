@@ -29,7 +29,7 @@ nlohmann::json to_json(const StepBenchReport& rep, const StepBenchOptions& o) {
                     {"floor_ms", r.floor_ms}, {"fraction_of_floor", r.fraction_of_floor}, {"gb_per_s", r.gb_per_s},
                     {"bytes_per_step", r.bytes_per_step}, {"copy_gbps", rep.copy_gbps},
                     {"device_bytes_other", r.device_bytes_other}, {"page_size", o.page_size},
-                    {"iters", o.iters}, {"load_s", rep.load_s}, {"peak_rss_bytes", rep.peak_rss_bytes},
+                    {"iters", o.iters}, {"batch_invariant", o.batch_invariant}, {"load_s", rep.load_s}, {"peak_rss_bytes", rep.peak_rss_bytes},
                     {"weight_bytes", rep.weight_bytes}, {"leak_check_steps", o.leak_check_steps},
                     {"leak_check_growth_bytes", rep.leak_check_growth_bytes}});
   }
@@ -54,6 +54,8 @@ Command add_bench_step(CLI::App& app) {
       ->check(CLI::Range(0, 1000000));
   app.add_option("--json", *json_path, "write the rows as a JSON list to this file");
   app.add_flag("!--skip-kernels", o->kernels, "do not time the GEMMs and the decode attention alone");
+  app.add_flag("--batch-invariant", o->batch_invariant,
+               "each row's result independent of the batch it is in (CUDA: slower at large batches)");
   return [o, json_path] {
     if (o->model_dir.empty()) {
       o->model_dir = bundled_model_dir(kBundledTarget);

@@ -21,7 +21,7 @@ namespace {
 struct GenerateArgs {
   std::string model, draft, speculative, prompt_ids, prompt, prompt_file, chat, device = "auto";
   int max_tokens = 128, block_size = 0, page_size = 16;
-  bool json = false, enable_thinking = false, ignore_eos = false;
+  bool json = false, enable_thinking = false, ignore_eos = false, batch_invariant = false, no_graphs = false;
   SamplingParams sampling;
   std::string spec_sampling = "match";
 };
@@ -96,7 +96,7 @@ void print_json(const GenerationResult& r, const Tokenizer* tok) {
   j["graph_captures"] = st.graph_captures;
   j["graph_capture_ms"] = st.graph_capture_ms;
   j["block_size"] = st.block_size;
-  j["stop_reason"] = r.stop_reason;
+  j["stop_reason"] = to_string(r.stop_reason);
   j["n_prompt_tokens"] = st.n_prompt_tokens;
   j["timings_ms"] = {{"prefill", st.prefill_ms}, {"decode", st.decode_ms}, {"draft", st.draft_ms},
                      {"verify", st.verify_ms}, {"total", st.total_ms}};
@@ -116,7 +116,7 @@ void print_text(const GenerationResult& r, const Tokenizer* tok) {
   std::fprintf(stderr,
                "[%d prompt + %d generated tokens, stop: %s] steps %d, tau %.2f, prefill %.1f ms, decode %.1f ms "
                "(draft %.1f, verify %.1f), %.1f tok/s\n",
-               st.n_prompt_tokens, st.n_generated, r.stop_reason.c_str(), st.n_steps, st.tau, st.prefill_ms,
+               st.n_prompt_tokens, st.n_generated, to_string(r.stop_reason), st.n_steps, st.tau, st.prefill_ms,
                st.decode_ms, st.draft_ms, st.verify_ms, tok_s);
 }
 
@@ -152,6 +152,7 @@ Command add_generate(CLI::App& app) {
       ->check(CLI::IsMember({"match", "rejection"}));
   app.add_flag("--ignore-eos", a->ignore_eos, "do not stop at end-of-sequence tokens (fixed-length runs for timing)");
   app.add_flag("--json", a->json, "print one JSON object with tokens and statistics");
+  add_backend_flags(app, a->batch_invariant, a->no_graphs);
   return [a] {
     if (a->model.empty()) {
       a->model = bundled_model_dir(kBundledTarget);
@@ -166,6 +167,8 @@ Command add_generate(CLI::App& app) {
     eo.device = a->device;
     eo.page_size = a->page_size;
     eo.block_size = a->block_size;
+    eo.batch_invariant = a->batch_invariant;
+    eo.graphs = !a->no_graphs;
     Engine engine(eo);
     GenerateOptions go;
     go.max_tokens = a->max_tokens;

@@ -28,6 +28,7 @@ Command add_serve(CLI::App& app) {
     server::ServerOptions http;
     std::string model, draft, speculative, device = "auto", spec_sampling = "match";
     int page_size = 16, block_size = 0;
+    bool batch_invariant = false, no_graphs = false;
   };
   auto a = std::make_shared<Args>();
   app.add_option("--model", a->model, std::string("target model directory (default: the bundled ") + kBundledTarget +
@@ -57,17 +58,21 @@ Command add_serve(CLI::App& app) {
   app.add_option("--read-timeout", a->http.read_timeout_s, "seconds a client may stall while sending (default 20)")
       ->check(CLI::Range(1, 3600));
   app.add_option("--model-name", a->http.model_name, "name served in /v1/models (default: the model directory's name)");
+  add_backend_flags(app, a->batch_invariant, a->no_graphs);
   return [a] {
     if (a->model.empty()) {
       a->model = bundled_model_dir(kBundledTarget);
       if (a->draft.empty()) a->draft = bundled_model_dir(kBundledDraft);
     }
+    check(a->speculative != "dflash" || !a->draft.empty(), "--speculative dflash needs --draft DIR");
     ServingOptions so = a->so;
     so.engine.model_dir = a->model;
     so.engine.draft_dir = a->speculative == "none" ? "" : a->draft;
     so.engine.device = a->device;
     so.engine.page_size = a->page_size;
     so.engine.block_size = a->block_size;
+    so.engine.batch_invariant = a->batch_invariant;
+    so.engine.graphs = !a->no_graphs;
     so.mode = so.engine.draft_dir.empty() ? SpeculativeMode::None : SpeculativeMode::DFlash;
     so.spec_sampling = parse_spec_sampling(a->spec_sampling);
     server::ServerOptions http = a->http;

@@ -18,4 +18,11 @@ Command add_bench_step(CLI::App& app);
 Command add_logits(CLI::App& app);
 Command add_serve(CLI::App& app);
 
+// --batch-invariant and --no-graphs (generate and serve).
+inline void add_backend_flags(CLI::App& app, bool& batch_invariant, bool& no_graphs) {
+  app.add_flag("--batch-invariant", batch_invariant,
+               "each row's result independent of the batch it is in (CUDA: slower at large batches)");
+  app.add_flag("--no-graphs", no_graphs, "launch every decoding step op by op instead of replaying CUDA graphs");
+}
+
 }  // namespace dflash::cli

@@ -1,19 +1,19 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
+#include <optional>
 
+#include "engine/decode_loop.h"
 #include "engine/model_set.h"
-#include "engine/sampling.h"
 #include "engine/sequence.h"
-#include "kernels/backend.h"
-#include "model/dflash_draft.h"
-#include "model/target_model.h"
 #include "util/error.h"
 
 namespace dflash {
 
 struct Engine::Impl {
-  explicit Impl(const EngineOptions& o) : m(o), backend_name(m.be->name()) {}
+  explicit Impl(const EngineOptions& o) : opts(o), m(o), backend_name(m.be->name()) {}
+  EngineOptions opts;
   ModelSet m;
   std::string backend_name;
 };
@@ -30,50 +30,71 @@ const std::vector<int32_t>& Engine::default_eos_ids() const { return impl_->m.eo
 const std::string& Engine::backend_name() const { return impl_->backend_name; }
 
 GenerationResult Engine::generate(const std::vector<int32_t>& prompt, const GenerateOptions& opts) {
-  const ModelConfig& cfg = impl_->m.target->config();
-  check(!prompt.empty(), "the prompt is empty");
-  check(opts.max_tokens > 0, "max_tokens must be positive, got ", opts.max_tokens);
-  validate(opts.sampling);
-  for (size_t i = 0; i < prompt.size(); ++i) {
-    check(prompt[i] >= 0 && prompt[i] < cfg.n_vocab, "prompt token ", i, " (id ", prompt[i],
-          ") is outside the vocabulary 0..", cfg.n_vocab - 1);
-  }
-  check(static_cast<int64_t>(prompt.size()) < cfg.max_positions, "the prompt has ", prompt.size(),
-        " tokens; the model's context is ", cfg.max_positions);
+  const auto t0 = std::chrono::steady_clock::now();
+  ModelSet& m = impl_->m;
+  const ModelConfig& cfg = m.target->config();
+  validate_request(cfg, prompt, opts.max_tokens, opts.sampling);
   const bool spec = opts.mode == SpeculativeMode::DFlash;
-  check(!spec || impl_->m.draft, "DFlash decoding needs a draft model (--draft)");
+  check(!spec || m.draft, "DFlash decoding needs a draft model (--draft)");
 
-  // Size the caches for this request: prompt + output + one block of slack.
-  const int page_size = impl_->m.page_size;
+  // A loop for this request alone: caches for prompt + output + one block of slack, and the
+  // whole prompt in one prefill step.
+  const int block = spec ? m.block_size : 1;
   const int64_t n_positions =
-      std::min<int64_t>(static_cast<int64_t>(prompt.size()) + opts.max_tokens + impl_->m.block_size + 1, cfg.max_positions);
-  const int n_pages = static_cast<int>((n_positions + page_size - 1) / page_size);
-  KvCache target_cache = impl_->m.target->alloc_cache(n_pages, page_size);
-  PagePool target_pages(n_pages, page_size);
-  KvCache draft_cache;
-  PagePool draft_pages(spec ? n_pages : 0, page_size);
-  if (spec) draft_cache = impl_->m.draft->alloc_cache(n_pages, page_size);
+      std::min<int64_t>(static_cast<int64_t>(prompt.size()) + opts.max_tokens + block + 1, cfg.max_positions);
+  LoopOptions lo;
+  lo.speculative = spec;
+  lo.spec_sampling = opts.spec_sampling;
+  lo.n_pages = static_cast<int>((n_positions + m.page_size - 1) / m.page_size);
+  lo.max_num_seqs = 1;
+  lo.max_tokens_per_step = static_cast<int>(prompt.size()) + block;
+  lo.graphs = impl_->opts.graphs;
+  DecodeLoop loop(m, lo);
 
-  DecodeContext ctx{*impl_->m.be, *impl_->m.target, spec ? impl_->m.draft.get() : nullptr, target_cache,
-                    spec ? &draft_cache : nullptr, target_pages, spec ? &draft_pages : nullptr, opts, {},
-                    spec ? impl_->m.block_size : 1, {}, {}};
-  const auto& eos = opts.eos_ids.empty() && opts.use_default_eos ? impl_->m.eos_ids : opts.eos_ids;
-  ctx.eos.insert(eos.begin(), eos.end());
-  ctx.seq.tokens = prompt;
+  GenerationResult result;
+  std::optional<TokenEvent> last;
+  auto s = std::make_unique<Sequence>();
+  s->id = 1;
+  s->tokens = prompt;
+  s->n_prompt = static_cast<int32_t>(prompt.size());
+  s->max_tokens = opts.max_tokens;
+  const auto& eos = opts.eos_ids.empty() && opts.use_default_eos ? m.eos_ids : opts.eos_ids;
+  s->eos.insert(eos.begin(), eos.end());
+  s->sampling = opts.sampling;
+  s->on_event = [&](const TokenEvent& e) {
+    result.tokens.insert(result.tokens.end(), e.tokens.begin(), e.tokens.end());
+    if (e.finished) last = e;
+  };
+  loop.add(std::move(s));
+  while (!last) check(loop.step(), "internal: the request could not be scheduled");
+  if (last->finish_reason == FinishReason::Error) throw Error(last->error);
+  result.stop_reason = last->finish_reason;
 
-  StepGraphs graphs(*impl_->m.be);  // per request: its graphs point into this request's caches
-  ctx.graphs = &graphs;
-  const auto t0 = Clock::now();
-  if (spec) run_dflash(ctx);
-  else run_plain(ctx);
-  auto& st = ctx.result.stats;
+  const LoopStats& ls = loop.stats();
+  const StepGraphs& graphs = loop.runner().graphs();
+  auto& st = result.stats;
+  st.n_prompt_tokens = static_cast<int>(prompt.size());
+  st.n_generated = static_cast<int>(result.tokens.size());
+  st.n_steps = static_cast<int>(ls.decode_steps);
+  st.block_size = block;
+  if (spec) {
+    st.acceptance_histogram.assign(ls.acceptance_histogram.begin(), ls.acceptance_histogram.end());
+    long produced = 0;
+    for (size_t a = 0; a < st.acceptance_histogram.size(); ++a) produced += static_cast<long>(a + 1) * st.acceptance_histogram[a];
+    st.tau = st.n_steps ? static_cast<double>(produced) / st.n_steps : 1.0;
+  } else {
+    st.acceptance_histogram = {st.n_steps};
+    st.tau = 1.0;
+  }
+  st.prefill_ms = ls.prefill_ms;
+  st.decode_ms = ls.decode_ms;
+  st.draft_ms = ls.draft_ms;
+  st.verify_ms = ls.decode_ms - ls.draft_ms;
   st.graph_replays = graphs.replays();
   st.graph_captures = graphs.captures();
   st.graph_capture_ms = graphs.capture_ms();
-  st.total_ms = ms_since(t0);
-  st.n_prompt_tokens = static_cast<int>(prompt.size());
-  st.n_generated = static_cast<int>(ctx.result.tokens.size());
-  return std::move(ctx.result);
+  st.total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return result;
 }
 
 }  // namespace dflash

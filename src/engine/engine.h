@@ -1,6 +1,7 @@
 // Public API of the engine: load a target (and optionally a DFlash draft) and
-// generate for one sequence (greedy or sampled), plainly or with DFlash speculation.
-// The CLI and, later, the server include only this header.
+// generate for one sequence (greedy or sampled), plainly or with DFlash
+// speculation: one request through the decode loop the serving engine runs
+// (serving.h). The CLI includes only these two headers.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/finish_reason.h"
 #include "formats/model_config.h"
 
 namespace dflash {
@@ -23,7 +25,7 @@ struct SamplingParams {
   bool greedy() const { return temperature <= 0; }
 };
 
-// How DFlash verifies drafts when sampling (DFLASH.md section 5).
+// How DFlash verifies drafts when sampling (docs/algorithm.md section 5).
 enum class SpecSampling {
   Match,      // draft by argmax; accept while the target's own sample equals the draft token
   Rejection,  // draft samples from q; accept with min(1, p/q), resample from max(0, p - q)
@@ -35,6 +37,8 @@ struct EngineOptions {
   std::string device = "cpu";
   int page_size = 16;      // KV-cache page size in tokens
   int block_size = 0;      // DFlash block size; 0 = the draft's own
+  bool batch_invariant = false;  // each row's result independent of the batch it is in (CUDA: slower at large batches)
+  bool graphs = true;      // replay fixed-shape decoding steps as CUDA graphs (false: op by op)
 };
 
 struct GenerateOptions {
@@ -53,8 +57,9 @@ struct GenerationStats {
   int block_size = 1;                  // 1 for plain decoding
   std::vector<int> acceptance_histogram;  // [i] = steps that produced i+1 tokens
   double tau = 1.0;                    // mean acceptance length
-  // draft_ms: drafts run apart from verification (rejection sampling); other drafts run in one
-  // step with their verification, whose time verify_ms counts.
+  // prefill_ms: steps with prompt chunks (up to the first token); decode_ms: the steps after.
+  // Within decode_ms, draft_ms: drafts run apart from verification (rejection sampling); other
+  // drafts run in one forward with their verification, whose time verify_ms counts.
   double prefill_ms = 0, decode_ms = 0, draft_ms = 0, verify_ms = 0, total_ms = 0;
   int64_t graph_replays = 0, graph_captures = 0;  // decoding forwards run as CUDA-graph replays, and captures
   double graph_capture_ms = 0;                    // within decode_ms: capturing those graphs
@@ -62,7 +67,7 @@ struct GenerationStats {
 
 struct GenerationResult {
   std::vector<int32_t> tokens;  // generated ids (EOS included when it stopped there)
-  std::string stop_reason;      // "eos", "length" (max_tokens) or "context" (max positions)
+  FinishReason stop_reason = FinishReason::Length;  // Eos, Length (max_tokens) or Context (max positions)
   GenerationStats stats;
 };
 
@@ -73,6 +78,7 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Throws Error naming the problem for a bad request, or with the message of a failed step.
   GenerationResult generate(const std::vector<int32_t>& prompt, const GenerateOptions& opts);
 
   const ModelConfig& target_config() const;

@@ -6,10 +6,10 @@
 
 namespace dflash {
 
-std::unique_ptr<Backend> make_backend(const std::string& device) {
-  if (device == "cpu") return make_cpu_backend();
-  if (device == "cuda") return make_cuda_backend();
-  if (device == "auto") return cuda_device_count() > 0 ? make_cuda_backend() : make_cpu_backend();
+std::unique_ptr<Backend> make_backend(const std::string& device, const BackendOptions& opts) {
+  if (device == "cpu") return make_cpu_backend(opts);
+  if (device == "cuda") return make_cuda_backend(opts);
+  if (device == "auto") return cuda_device_count() > 0 ? make_cuda_backend(opts) : make_cpu_backend(opts);
   throw Error(cat("unknown device '", device, "' (expected cpu, cuda or auto)"));
 }
 
@@ -40,11 +40,11 @@ std::vector<int32_t> default_eos(const std::string& model_dir) {
 
 }  // namespace
 
-ModelSet::ModelSet(const EngineOptions& opts) {
+ModelSet::ModelSet(const EngineOptions& opts, std::unique_ptr<Backend> backend) {
   check(!opts.model_dir.empty(), "no model directory given");
   check(opts.page_size > 0 && opts.page_size <= 4096, "page size must be in 1..4096, got ", opts.page_size);
   page_size = opts.page_size;
-  be = make_backend(opts.device);
+  be = backend ? std::move(backend) : make_backend(opts.device, BackendOptions{opts.batch_invariant});
   check_fits(*be, opts.model_dir, opts.draft_dir);
   target = std::make_unique<TargetModel>(*be, opts.model_dir);
   eos_ids = default_eos(opts.model_dir);

@@ -21,10 +21,12 @@ struct ModelSet {
   int block_size = 0;                 // effective DFlash block size (0 without a draft)
   int page_size = 16;
 
-  // Validates the options, picks the backend, checks the weights fit and loads both checkpoints.
-  explicit ModelSet(const EngineOptions& opts);
+  // Validates the options, picks the backend (unless given one), checks the weights fit and loads
+  // both checkpoints.
+  explicit ModelSet(const EngineOptions& opts, std::unique_ptr<Backend> backend = nullptr);
 };
 
-std::unique_ptr<Backend> make_backend(const std::string& device);  // "cpu", "cuda" or "auto"
+// device: "cpu", "cuda" or "auto" (the GPU when one is present).
+std::unique_ptr<Backend> make_backend(const std::string& device, const BackendOptions& opts = {});
 
 }  // namespace dflash

@@ -23,19 +23,19 @@ int Scheduler::pages_for(int64_t n_positions) const {
   return static_cast<int>((n_positions + pool_.page_size() - 1) / pool_.page_size());
 }
 
-int Scheduler::rows_for(const ServeSeq& s) const { return std::max(1, std::min(block_, max_positions_ - s.n_cached)); }
+int Scheduler::rows_for(const Sequence& s) const { return std::max(1, std::min(block_, max_positions_ - s.n_cached)); }
 
-bool Scheduler::reserve(ServeSeq& s, int64_t n_positions) { return pool_.reserve(s.pages, n_positions); }
+bool Scheduler::reserve(Sequence& s, int64_t n_positions) { return pool_.reserve(s.pages, n_positions); }
 
-void Scheduler::release(ServeSeq& s) {
+void Scheduler::release(Sequence& s) {
   pool_.release(s.pages);
   s.n_registered = 0;
   s.chain = 0;
 }
 
-bool Scheduler::admit(ServeSeq& s) {
+bool Scheduler::admit(Sequence& s) {
   const int32_t covered = pool_.match_prefix(s.tokens, s.pages);
-  if (!reserve(s, static_cast<int64_t>(s.tokens.size()) + block_)) {
+  if (!reserve(s, std::min<int64_t>(static_cast<int64_t>(s.tokens.size()) + block_, max_positions_))) {
     pool_.release(s.pages);
     return false;
   }
@@ -43,7 +43,7 @@ bool Scheduler::admit(ServeSeq& s) {
   return true;
 }
 
-void Scheduler::preempt(ServeSeq& s) {
+void Scheduler::preempt(Sequence& s) {
   release(s);
   if (s.pending >= 0) s.tokens.push_back(s.pending);  // sent already; recomputed with the rest
   s.pending = -1;
@@ -54,7 +54,7 @@ void Scheduler::preempt(ServeSeq& s) {
   running_.erase(it);
 }
 
-void Scheduler::add(std::unique_ptr<ServeSeq> seq) { waiting_.push_back(std::move(seq)); }
+void Scheduler::add(std::unique_ptr<Sequence> seq) { waiting_.push_back(std::move(seq)); }
 
 StepPlan Scheduler::schedule() {
   StepPlan plan;
@@ -66,7 +66,7 @@ StepPlan Scheduler::schedule() {
   // Decoding sequences need room for this step's rows; the most recently admitted
   // sequence gives its pages back until they fit (it may be the one asking).
   for (size_t i = 0; i < running_.size();) {
-    ServeSeq& s = *running_[i];
+    Sequence& s = *running_[i];
     if (s.prefilling() || reserve(s, int64_t{s.n_cached} + rows_for(s))) {
       ++i;
       continue;
@@ -78,11 +78,11 @@ StepPlan Scheduler::schedule() {
   int budget = max_tokens_per_step_;
   for (auto& s : running_) {
     if (s->prefilling()) continue;
-    plan.decodes.push_back(s.get());
+    plan.decodes.push_back({s.get(), rows_for(*s)});
     budget -= rows_for(*s);
   }
   // Prefill: sequences already admitted first, then new ones in arrival order.
-  auto add_prefill = [&](ServeSeq& s) {
+  auto add_prefill = [&](Sequence& s) {
     const int32_t n = std::min<int32_t>(static_cast<int32_t>(s.tokens.size()) - s.n_cached, budget);
     plan.prefills.push_back({&s, n});
     budget -= n;
@@ -91,7 +91,7 @@ StepPlan Scheduler::schedule() {
     if (s->prefilling() && budget > 0) add_prefill(*s);
   }
   while (!waiting_.empty() && static_cast<int>(running_.size()) < max_num_seqs_ && budget > 0) {
-    ServeSeq& s = *waiting_.front();
+    Sequence& s = *waiting_.front();
     if (!admit(s)) break;  // first come, first served
     s.admit_order = next_order_++;
     running_.push_back(std::move(waiting_.front()));
@@ -101,8 +101,8 @@ StepPlan Scheduler::schedule() {
   return plan;
 }
 
-std::unique_ptr<ServeSeq> Scheduler::remove(uint64_t id) {
-  std::unique_ptr<ServeSeq> out;
+std::unique_ptr<Sequence> Scheduler::remove(uint64_t id) {
+  std::unique_ptr<Sequence> out;
   auto take = [&](auto& list) {
     auto it = std::find_if(list.begin(), list.end(), [&](const auto& p) { return p->id == id; });
     if (it == list.end()) return false;
@@ -114,8 +114,8 @@ std::unique_ptr<ServeSeq> Scheduler::remove(uint64_t id) {
   return out;
 }
 
-std::vector<ServeSeq*> Scheduler::all() {
-  std::vector<ServeSeq*> v;
+std::vector<Sequence*> Scheduler::all() {
+  std::vector<Sequence*> v;
   for (auto& s : running_) v.push_back(s.get());
   for (auto& s : waiting_) v.push_back(s.get());
   return v;

@@ -1,67 +1,40 @@
-// Per-sequence decoding state: committed tokens, cache lengths and page
-// tables, the pending token and the output collected so far.
+// One request's decoding state, the record the scheduler and the step share:
+// committed tokens, cache lengths, its page table, the pending token, what it
+// has emitted and when it must stop.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
-#include <functional>
 #include <unordered_set>
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/page_pool.h"
-#include "engine/step_graphs.h"
-#include "kernels/backend.h"
-#include "model/dflash_draft.h"
-#include "model/target_model.h"
+#include "engine/serving.h"
 
 namespace dflash {
 
 struct Sequence {
-  std::vector<int32_t> tokens;         // prompt + committed tokens (tokens in the target cache)
-  int32_t n_cached = 0;                // target KV entries valid: positions 0..n_cached-1
-  int32_t n_draft_ctx = 0;             // draft context entries: positions 0..n_draft_ctx-1
-  std::vector<int32_t> target_pages, draft_pages;
-  int32_t pending = -1;                // sampled by the target, not yet run through it
-};
-
-// Everything one generate() call works with.
-struct DecodeContext {
-  Backend& be;
-  TargetModel& target;
-  DraftModel* draft;                   // null for plain decoding
-  KvCache& target_cache;
-  KvCache* draft_cache;
-  PagePool& target_pages;
-  PagePool* draft_pages;
-  const GenerateOptions& opts;
+  uint64_t id = 0;
+  ServingEngine::Callback on_event;  // tokens and the final event, on the engine thread
+  std::vector<int32_t> tokens;   // prompt + generated tokens already fed or to feed (pending excluded)
+  int32_t n_prompt = 0;
+  int32_t n_cached = 0;          // target KV valid for positions 0..n_cached-1
+  int32_t n_draft_ctx = 0;       // draft context KV valid for 0..n_draft_ctx-1
+  std::vector<int32_t> pages;    // page table, the same for the target and the draft context cache
+  int32_t n_registered = 0;      // leading pages registered in the prefix cache
+  uint64_t chain = 0;            // hash chain of those pages
+  int32_t pending = -1;          // chosen and emitted, not yet in the cache; -1 while prefilling
+  int n_generated = 0;           // tokens emitted
+  int max_tokens = 0;
   std::unordered_set<int32_t> eos;
-  int block_size;
-  Sequence seq;
-  GenerationResult result;
+  SamplingParams sampling;
+  int64_t admit_order = 0;       // larger = admitted later (preempted first)
 
-  // Appends a generated token; true when generation must stop after it.
-  bool emit(int32_t token);
-  // The target's token choice (greedy or sampled) from one logits row, for the
-  // token at `position`; `argmax`: the row's argmax on the device when the step computed it.
-  int32_t pick(const Tensor& logits, int64_t position, const Tensor* argmax = nullptr);
-  bool done = false;
-  StepGraphs* graphs = nullptr;        // decoding forwards as graph replays (when on)
-
-  // Runs a decoding step's forwards over `batches` (body reads them): through graphs, under
-  // StepGraphs::shape_key(kind, batches), or eagerly.
-  void run_step(const char* kind, std::initializer_list<ForwardBatch*> batches, const std::function<void()>& body);
+  bool prefilling() const { return pending < 0; }
 };
 
-using Clock = std::chrono::steady_clock;
-inline double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
-// Reserves pages so that `table` covers n_positions or throws (the caller sized the pool).
-void reserve_or_throw(PagePool& pages, std::vector<int32_t>& table, int64_t n_positions);
-
-void run_plain(DecodeContext& ctx);   // one token per target forward
-void run_dflash(DecodeContext& ctx);  // DFlash speculative decoding (greedy or sampled)
+// Checks a request against the model before it is queued: Error naming the problem for an empty
+// prompt, ids outside the vocabulary, a prompt beyond the context, max_tokens <= 0, bad sampling.
+void validate_request(const ModelConfig& c, const std::vector<int32_t>& prompt, int max_tokens,
+                      const SamplingParams& sampling);
 
 }  // namespace dflash

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/finish_reason.h"
 
 namespace dflash {
 
@@ -36,7 +37,8 @@ struct RequestParams {
 struct TokenEvent {
   std::vector<int32_t> tokens;     // newly generated tokens (may be empty on the final event)
   bool finished = false;
-  std::string finish_reason;       // "stop" (EOS), "length" (max_tokens or context), "cancelled"
+  FinishReason finish_reason = FinishReason::Eos;  // meaningful when finished
+  std::string error;               // finish_reason == Error: what failed
   int n_prompt_tokens = 0;
 };
 

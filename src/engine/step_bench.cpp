@@ -9,6 +9,8 @@
 #include <string>
 
 #include "engine/model_set.h"
+#include "engine/sequence.h"
+#include "engine/step_runner.h"
 #include "kernels/backend.h"
 #include "model/dflash_draft.h"
 #include "model/target_model.h"
@@ -132,7 +134,14 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
   for (int c : o.contexts) check(c >= 1, "bench-step: context ", c, " must be positive");
   check(o.iters >= 1 && o.warmup >= 0, "bench-step: iterations must be positive");
   StepBenchReport rep;
-  std::unique_ptr<Backend> be = make_backend(o.device);
+  EngineOptions eo;
+  eo.model_dir = o.model_dir;
+  eo.draft_dir = o.draft_dir;
+  eo.device = o.device;
+  eo.page_size = o.page_size;
+  eo.block_size = o.block_size;
+  eo.batch_invariant = o.batch_invariant;
+  std::unique_ptr<Backend> be = make_backend(eo.device, BackendOptions{eo.batch_invariant});
   rep.device = be->name();
   rep.model = o.model_dir;
   rep.draft = o.draft_dir;
@@ -142,63 +151,82 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
 
   { std::ofstream("/proc/self/clear_refs") << "5"; }  // restart the RSS high-water mark for the load
   const auto t0 = Clock::now();
-  TargetModel target(*be, o.model_dir);
-  std::unique_ptr<DraftModel> draft;
-  if (!o.draft_dir.empty()) draft = std::make_unique<DraftModel>(*be, o.draft_dir, target);
-  be->synchronize();
+  ModelSet m(eo, std::move(be));
+  Backend& dev = *m.be;
+  dev.synchronize();
   rep.load_s = std::chrono::duration<double>(Clock::now() - t0).count();
   rep.peak_rss_bytes = peak_rss_bytes();
+  TargetModel& target = *m.target;
+  DraftModel* draft = m.draft.get();
   const ModelConfig& tc = target.config();
-  const int B = draft ? (o.block_size > 0 ? o.block_size : draft->config().block_size) : 1;
+  const int B = draft ? m.block_size : 1;
   rep.weight_bytes = target.weight_bytes_per_step() + (draft ? draft->weight_bytes_per_step() : 0);
-  const int64_t weights_resident = device_used(*be) - used_before;
+  const int64_t weights_resident = device_used(dev) - used_before;
 
-  if (o.kernels) bench_kernels(*be, target, o.page_size, rep);
-  std::vector<int> layer_ids = draft ? draft->config().target_layer_ids : std::vector<int>{};
+  if (o.kernels) bench_kernels(dev, target, o.page_size, rep);
   for (int ctx : o.contexts) {
     check(ctx + B < tc.max_positions, "bench-step: context ", ctx, " + block ", B, " exceeds the model's ",
           tc.max_positions, " positions");
     for (int batch : o.batches) {
-      be->release_cached_memory();  // the previous row's KV pages
+      dev.release_cached_memory();  // the previous row's KV pages
       Batch bt(batch, ctx + B, o.page_size);
-      KvCache tcache = target.alloc_cache(bt.n_pages(), o.page_size);
-      for (size_t l = 0; l < tcache.k.size(); ++l) {
-        be->fill_random(tcache.k[l], 2 * l + 1, 1.0f);
-        be->fill_random(tcache.v[l], 2 * l + 2, 1.0f);
+      StepCaches caches;
+      caches.target = target.alloc_cache(bt.n_pages(), o.page_size);
+      for (size_t l = 0; l < caches.target.k.size(); ++l) {
+        dev.fill_random(caches.target.k[l], 2 * l + 1, 1.0f);
+        dev.fill_random(caches.target.v[l], 2 * l + 2, 1.0f);
       }
-      KvCache dcache;
       if (draft) {
-        dcache = draft->alloc_cache(bt.n_pages(), o.page_size);
-        for (size_t l = 0; l < dcache.k.size(); ++l) {
-          be->fill_random(dcache.k[l], 1000 + 2 * l, 1.0f);
-          be->fill_random(dcache.v[l], 1001 + 2 * l, 1.0f);
+        caches.draft = draft->alloc_cache(bt.n_pages(), o.page_size);
+        for (size_t l = 0; l < caches.draft.k.size(); ++l) {
+          dev.fill_random(caches.draft.k[l], 1000 + 2 * l, 1.0f);
+          dev.fill_random(caches.draft.v[l], 1001 + 2 * l, 1.0f);
         }
       }
-      const int64_t kv_resident = kv_bytes(tcache) + kv_bytes(dcache);
-      const DType kv_dtype = tcache.k[0].dtype;
+      const int64_t kv_resident = kv_bytes(caches.target) + kv_bytes(caches.draft);
+      const DType kv_dtype = caches.target.k[0].dtype;
+      // `batch` sequences with `ctx` tokens cached (and, with a draft, their context), pending
+      // token b, each taking whole steps: the decode loop's records, as the scheduler plans them.
+      std::vector<Sequence> seqs(static_cast<size_t>(batch));
+      for (int b = 0; b < batch; ++b) {
+        Sequence& s = seqs[static_cast<size_t>(b)];
+        s.tokens.assign(static_cast<size_t>(ctx), 0);
+        s.n_prompt = s.n_cached = s.n_draft_ctx = ctx;
+        s.pages = bt.tables[static_cast<size_t>(b)];
+        s.pending = b % tc.n_vocab;
+        s.max_tokens = 1 << 30;
+      }
+      auto plan_of = [&](int rows) {
+        StepPlan plan;
+        for (auto& s : seqs) plan.decodes.push_back({&s, rows});
+        return plan;
+      };
 
-      auto time_steps = [&](auto&& step) { return time_median_ms(*be, o.warmup, o.iters, step); };
-      // Times a step as the decoders run it (body, then one copy of its ids back): op by op, as a
-      // graph replay, and restaged then replayed; `restage_us` is the restaging alone.
-      auto add_row = [&](const std::string& mode, int64_t bytes, const std::function<void()>& body, const Tensor& ids) {
+      auto time_steps = [&](auto&& step) { return time_median_ms(dev, o.warmup, o.iters, step); };
+      // Times the step's forward as the decode loop runs it (the forward, then one copy of its ids
+      // back): op by op, as a graph replay, and restaged then replayed; `restage_us` is the
+      // restaging alone. The step is laid out with a fixed shape (what graphs replay).
+      auto add_row = [&](const std::string& mode, int64_t bytes, StepRunner& runner, int rows) {
+        Step st = runner.prepare(plan_of(rows), /*fixed_shape=*/true);
+        const std::function<void()> body = [&] { runner.forward(st); };
         StepBenchRow r;
         r.ms_per_step_eager = time_steps([&] {
           body();
-          be->ids_to_host(ids);
+          dev.ids_to_host(st.ids);
         });
         r.ms_per_step = r.ms_per_step_eager;
-        if (be->supports_graphs()) {
-          auto g = be->capture_graph(body);
+        if (dev.supports_graphs()) {
+          auto g = dev.capture_graph(body);
           r.ms_per_step = time_steps([&] {
-            be->replay_graph(g);
-            be->ids_to_host(ids);
+            dev.replay_graph(g);
+            dev.ids_to_host(st.ids);
           });
           r.ms_per_step_restaged = time_steps([&] {
-            check(be->restage_graph(g, body), "bench-step: the ", mode, " step no longer matches its graph");
-            be->replay_graph(g);
-            be->ids_to_host(ids);
+            check(dev.restage_graph(g, body), "bench-step: the ", mode, " step no longer matches its graph");
+            dev.replay_graph(g);
+            dev.ids_to_host(st.ids);
           });
-          r.restage_us = 1e3 * time_steps([&] { be->restage_graph(g, body); });
+          r.restage_us = 1e3 * time_steps([&] { dev.restage_graph(g, body); });
         }
         const double ms = r.ms_per_step;
         r.mode = mode;
@@ -208,79 +236,55 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         r.floor_ms = static_cast<double>(bytes) / (rep.copy_gbps * 1e9) * 1e3;
         r.fraction_of_floor = r.floor_ms / ms;
         r.gb_per_s = static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
-        const int64_t used = device_used(*be);
+        const int64_t used = device_used(dev);
         if (used >= 0) r.device_bytes_other = used - used_before - weights_resident - kv_resident;
         rep.rows.push_back(r);
       };
 
-      // Plain: one token per sequence at position ctx, logits for every row.
-      ForwardBatch plain(o.page_size);
-      for (int b = 0; b < batch; ++b) plain.add_sequence({static_cast<int32_t>(b % tc.n_vocab)}, ctx, bt.tables[b]);
-      for (int r = 0; r < batch; ++r) plain.logit_rows.push_back(r);
-      // As the decoders run it: the argmax is taken in the step, one copy of the ids back.
-      Tensor plain_ids;
-      auto plain_body = [&] {
-        plain_ids = be->alloc_ids(batch);
-        be->argmax_ids(target.forward(plain, tcache).logits, plain_ids);
-      };
-      add_row("plain", target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype), plain_body,
-              plain_ids);
-
+      // Plain: one token per sequence at position ctx, logits and argmax for every row.
+      StepRunner plain(m, caches, /*speculative=*/false, SpecSampling::Match, /*graphs=*/false);
+      add_row("plain", target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype), plain, 1);
       if (!draft) continue;
-      // DFlash: draft block [t, M..M] (bidirectional), verify B tokens with feature
-      // capture, project the context of all B (every draft accepted: the most work).
-      const DraftConfig& dc = draft->config();
-      ForwardBatch dblock(o.page_size), verify(o.page_size), project(o.page_size);
-      std::vector<int32_t> block(static_cast<size_t>(B), dc.mask_token_id);
-      for (int b = 0; b < batch; ++b) {
-        block[0] = b % tc.n_vocab;
-        const int32_t first = dblock.add_sequence(block, ctx, bt.tables[b], /*causal=*/false);
-        for (int i = 1; i < B; ++i) dblock.logit_rows.push_back(first + i);
-        const int32_t vfirst = verify.add_sequence(block, ctx, bt.tables[b]);
-        for (int i = 0; i < B; ++i) verify.logit_rows.push_back(vfirst + i);
-        project.add_sequence(std::vector<int32_t>(static_cast<size_t>(B), 0), ctx, bt.tables[b]);
-      }
-      // As the decoders run it: one step whose drafted tokens (the draft's argmax) feed the
-      // verification on the device, the target's argmax taken in the step, one copy back of both.
-      std::vector<int32_t> drafted_rows;
-      for (int32_t r : verify.logit_rows)
-        if (r % B != 0) drafted_rows.push_back(r);
-      const auto n_drafted = static_cast<int64_t>(dblock.logit_rows.size());
-      const auto n_verified = static_cast<int64_t>(verify.logit_rows.size());
-      Tensor dflash_ids;
-      auto dflash_body = [&] {
-        dflash_ids = be->alloc_ids(n_drafted + n_verified);
-        Tensor drafted = dflash_ids.slice_rows(0, n_drafted), argmax = dflash_ids.slice_rows(n_drafted, n_verified);
-        be->argmax_ids(draft->forward_block(dblock, dcache), drafted);
-        verify.from_device = {drafted, drafted_rows};
-        auto out = target.forward(verify, tcache, layer_ids);
-        be->argmax_ids(out.logits, argmax);
-        draft->project_context(out.captured, project, dcache);
-      };
+      // DFlash: draft block [t, M..M] (bidirectional), its argmax feeding the verification of B
+      // rows on the device, feature capture, the context of all B rows projected (every draft
+      // accepted: the most work).
+      StepRunner dflash(m, caches, /*speculative=*/true, SpecSampling::Match, /*graphs=*/false);
       const int64_t dflash_bytes = target.weight_bytes_per_step() + draft->weight_bytes_per_step() +
                                    batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +
-                                            kv_read_bytes(dc.layers, ctx + B, kv_dtype));
-      add_row("dflash", dflash_bytes, dflash_body, dflash_ids);
+                                            kv_read_bytes(draft->config().layers, ctx + B, kv_dtype));
+      add_row("dflash", dflash_bytes, dflash, B);
     }
   }
 
+  // Plain decoding of one sequence for leak_check_steps steps, the whole loop (prepare, execute,
+  // postprocess) op by op, watching device memory.
   const int leak_steps = std::min(o.leak_check_steps, tc.max_positions - o.contexts[0] - 1);
   if (leak_steps > 0) {
     Batch bt(1, o.contexts[0] + leak_steps + 1, o.page_size);
-    KvCache cache = target.alloc_cache(bt.n_pages(), o.page_size);
+    StepCaches caches;
+    caches.target = target.alloc_cache(bt.n_pages(), o.page_size);
+    StepRunner runner(m, caches, /*speculative=*/false, SpecSampling::Match, /*graphs=*/false);
+    Sequence s;
+    s.tokens.assign(static_cast<size_t>(o.contexts[0]), 0);
+    s.n_prompt = s.n_cached = o.contexts[0];
+    s.pages = bt.tables[0];
+    s.pending = 0;
+    s.max_tokens = 1 << 30;
+    StepPlan plan;
+    plan.decodes.push_back({&s, 1});
     int64_t before = -1;
     for (int i = 0; i < leak_steps; ++i) {
       if (i == std::min(10, leak_steps - 1)) {  // after the first steps have sized the allocator's pool
-        be->synchronize();
-        before = device_used(*be);
+        dev.synchronize();
+        before = device_used(dev);
       }
-      ForwardBatch step(o.page_size);
-      step.add_sequence({i % tc.n_vocab}, o.contexts[0] + i, bt.tables[0]);
-      step.logit_rows = {0};
-      be->argmax_rows(target.forward(step, cache).logits);
+      Step st = runner.prepare(plan);
+      runner.execute(st);
+      StepCounters c;
+      runner.postprocess(st, c);
     }
-    be->synchronize();
-    const int64_t after = device_used(*be);
+    dev.synchronize();
+    const int64_t after = device_used(dev);
     if (before >= 0) rep.leak_check_growth_bytes = after - before;
   }
   return rep;

@@ -20,6 +20,7 @@ struct StepBenchOptions {
   int warmup = 5, iters = 30;
   int leak_check_steps = 1000;  // plain batch-1 steps watched for device-memory growth (0: skip)
   bool kernels = true;          // also time the target's GEMMs and decode attention alone
+  bool batch_invariant = false; // the backend's batch-invariant mode (EngineOptions::batch_invariant)
 };
 
 struct StepBenchRow {

@@ -2,16 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <string>
 
 #include "util/error.h"
 
 namespace dflash {
 
-StepGraphs::StepGraphs(Backend& be, size_t max_graphs, int capture_after)
-    : be_(be), on_(be.supports_graphs() && std::string(std::getenv("DFLASH_GRAPHS") ? std::getenv("DFLASH_GRAPHS") : "") != "0"),
-      max_graphs_(max_graphs), capture_after_(capture_after) {}
+StepGraphs::StepGraphs(Backend& be, bool enabled, size_t max_graphs, int capture_after)
+    : be_(be), on_(enabled && be.supports_graphs()), max_graphs_(max_graphs), capture_after_(capture_after) {}
 
 std::string StepGraphs::shape_key(const char* kind, std::initializer_list<ForwardBatch*> batches) {
   int32_t keys = 0;

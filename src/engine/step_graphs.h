@@ -5,8 +5,8 @@
 // and replay it instead of launching op by op. A key runs eagerly until it has
 // come kCaptureAfter times (a capture costs milliseconds, a replay saves a
 // fraction of one: short-lived shapes, like a serving batch of one size for a
-// few steps, are not worth it). Backends without graphs, and DFLASH_GRAPHS=0,
-// run every body eagerly.
+// few steps, are not worth it). Backends without graphs, and graphs turned
+// off (--no-graphs), run every body eagerly.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +26,7 @@ namespace dflash {
 
 class StepGraphs {
  public:
-  explicit StepGraphs(Backend& be, size_t max_graphs = 16, int capture_after = kCaptureAfter);
+  StepGraphs(Backend& be, bool enabled, size_t max_graphs = 16, int capture_after = kCaptureAfter);
   static constexpr int kCaptureAfter = 8;
   bool on() const { return on_; }
 

@@ -182,7 +182,7 @@ def train_target(model, rng, device, steps, seq_len=128, batch=64):
 
 
 def train_draft(model, draft, rng, device, steps, batch=64, prompt_len=32, total_len=128, gamma=4.0):
-    """DFLASH.md section 7: labels are the target's greedy predictions; one random
+    """docs/algorithm.md section 7: labels are the target's greedy predictions; one random
     anchor per step (shared by the batch); row i weighted by exp(-(i-1)/gamma)."""
     B = draft.cfg["block_size"]
     layer_ids = draft.layer_ids

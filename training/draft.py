@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Step 4: train the DFlash draft for the pretrained target (DFLASH.md section 7).
+"""Step 4: train the DFlash draft for the pretrained target (docs/algorithm.md section 7).
 
 Data are the target's own greedy continuations of corpus windows, so the labels
 (the target's argmax at each position) are exactly the tokens that verification

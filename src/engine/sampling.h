@@ -1,6 +1,6 @@
 // Token choice from logits: greedy argmax, or a sample from the
 // temperature / top-k / top-p distribution (applied in Hugging Face's order),
-// and the two lossless speculative schemes of DFLASH.md section 5.
+// and the two lossless speculative schemes of docs/algorithm.md section 5.
 //
 // Randomness is keyed by (seed, position, stream), not drawn from a running
 // generator: the token at a position depends only on its distribution and the

@@ -1,4 +1,4 @@
-// DFlash token choice for a batch of blocks (DFLASH.md sections 3-5): the
+// DFlash token choice for a batch of blocks (docs/algorithm.md sections 3-5): the
 // draft tokens from a draft forward's logits, then each block's acceptance and
 // next pending token from the target forward that verified it. Greedy blocks
 // compare argmaxes; sampled blocks use the match or the rejection scheme.

@@ -75,7 +75,7 @@ ModelConfig load_model_config(const std::string& dir);
 DraftConfig load_draft_config(const std::string& dir);
 GenerationConfig load_generation_config(const std::string& dir);
 
-// DFLASH.md section 1: L evenly spaced layers (round half to even, as Python).
+// docs/algorithm.md section 1: L evenly spaced layers (round half to even, as Python).
 std::vector<int> default_target_layer_ids(int n_target_layers, int n_draft_layers);
 
 }  // namespace dflash

@@ -1,4 +1,4 @@
-// DFlash draft (DFLASH.md sections 1-3): decoder layers with no embedding and
+// DFlash draft (docs/algorithm.md sections 1-3): decoder layers with no embedding and
 // no lm_head of their own (the target's are borrowed), a context projection
 // fc + hidden_norm of captured target features, and a block forward with
 // bidirectional attention over [cached context K/V] ++ [block K/V].

@@ -100,6 +100,63 @@ TEST(ModelConfig, ErrorsNameTheField) {
   expect_error(json::array(), "expected a JSON object");
 }
 
+json qwen3_30b_a3b() {  // the published Qwen3-30B-A3B config.json fields
+  return json::parse(R"({
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": true, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001, "sliding_window": null, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})");
+}
+
+TEST(ModelConfig, Qwen3MoeRoutedLayers) {
+  const ModelConfig c = parse_model_config(qwen3_30b_a3b(), "cfg.json");
+  EXPECT_EQ(c.moe.n_experts, 128);
+  EXPECT_EQ(c.moe.top_k, 8);
+  EXPECT_EQ(c.moe.n_ff, 768);
+  EXPECT_TRUE(c.moe.norm_topk_prob);
+  EXPECT_EQ(c.n_ff, 6144);
+  EXPECT_TRUE(c.qk_norm);
+  ASSERT_EQ(c.moe_layer.size(), 48u);
+  for (int i = 0; i < 48; ++i) EXPECT_TRUE(c.is_moe_layer(i)) << i;
+
+  // decoder_sparse_step 2: layers 1, 3, 5, ... are routed; mlp_only_layers keeps 3 dense.
+  json j = qwen3_30b_a3b();
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {3};
+  j["norm_topk_prob"] = false;
+  const ModelConfig d = parse_model_config(j, "cfg.json");
+  EXPECT_FALSE(d.moe.norm_topk_prob);
+  for (int i = 0; i < 48; ++i) EXPECT_EQ(d.is_moe_layer(i), i % 2 == 1 && i != 3) << i;
+
+  // A dense Qwen3 has no routed layers.
+  EXPECT_FALSE(parse_model_config(qwen3_8b_legacy(), "cfg.json").is_moe_layer(0));
+}
+
+TEST(ModelConfig, Qwen3MoeErrorsNameTheKey) {
+  auto with = [](const char* k, json v) {
+    json j = qwen3_30b_a3b();
+    if (v.is_null()) j.erase(k);
+    else j[k] = v;
+    return j;
+  };
+  expect_error(with("shared_expert_intermediate_size", 5632), "shared_expert_intermediate_size");
+  expect_error(with("num_experts", nullptr), "num_experts");
+  expect_error(with("num_experts_per_tok", 129), "num_experts_per_tok");
+  expect_error(with("num_experts_per_tok", 0), "num_experts_per_tok");
+  expect_error(with("moe_intermediate_size", nullptr), "moe_intermediate_size");
+  expect_error(with("decoder_sparse_step", 0), "decoder_sparse_step");
+  expect_error(with("mlp_only_layers", json::array({48})), "mlp_only_layers");
+  expect_error(with("mlp_only_layers", "0"), "mlp_only_layers");
+  expect_error(with("norm_topk_prob", 1), "norm_topk_prob");
+  expect_error(with("use_sliding_window", true), "use_sliding_window");
+  // A shared expert of size 0 is no shared expert.
+  EXPECT_NO_THROW(parse_model_config(with("shared_expert_intermediate_size", 0), "cfg.json"));
+}
+
 TEST(DraftConfig, DefaultTargetLayerIdsRoundHalfToEven) {
   EXPECT_EQ(default_target_layer_ids(36, 5), (std::vector<int>{1, 9, 17, 25, 33}));
   EXPECT_EQ(default_target_layer_ids(36, 1), (std::vector<int>{18}));

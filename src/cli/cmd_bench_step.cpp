@@ -1,8 +1,10 @@
 // `dflash bench-step`: decode and DFlash step times against the memory-bandwidth floor.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -32,8 +34,23 @@ nlohmann::json to_json(const StepBenchReport& rep, const StepBenchOptions& o) {
                     {"iters", o.iters}, {"batch_invariant", o.batch_invariant}, {"load_s", rep.load_s}, {"peak_rss_bytes", rep.peak_rss_bytes},
                     {"weight_bytes", rep.weight_bytes}, {"leak_check_steps", o.leak_check_steps},
                     {"leak_check_growth_bytes", rep.leak_check_growth_bytes}});
+    if (!r.routed_experts.empty()) rows.back()["routed_experts_per_layer"] = r.routed_experts;
   }
   return rows;
+}
+
+// "min/mean/max" of the distinct experts per routed layer ("-" for a dense target).
+std::string routed_summary(const std::vector<int>& routed) {
+  std::vector<int> moe;
+  for (int n : routed)
+    if (n > 0) moe.push_back(n);
+  if (moe.empty()) return "-";
+  double sum = 0;
+  for (int n : moe) sum += n;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%d/%.1f/%d", *std::min_element(moe.begin(), moe.end()), sum / moe.size(),
+                *std::max_element(moe.begin(), moe.end()));
+  return buf;
 }
 
 }  // namespace
@@ -73,13 +90,19 @@ Command add_bench_step(CLI::App& app) {
                     k.gb_per_s);
       }
     }
-    std::printf("%-7s %6s %8s %10s %10s %10s %9s %9s %12s %12s %10s\n", "mode", "batch", "context", "ms/step",
-                "eager_ms", "floor_ms", "GB/s", "fraction", "other_MiB", "restaged_ms", "restage_us");
+    const bool moe = !rep.rows.empty() && !rep.rows[0].routed_experts.empty();
+    if (moe) {
+      std::printf("routed target: floor_ms counts the experts each layer's rows went to (experts/layer:\n"
+                  "min/mean/max over the routed layers); random routers spread tokens uniformly, the worst case\n");
+    }
+    std::printf("%-7s %6s %8s %10s %10s %10s %9s %9s %12s %12s %10s%s\n", "mode", "batch", "context", "ms/step",
+                "eager_ms", "floor_ms", "GB/s", "fraction", "other_MiB", "restaged_ms", "restage_us",
+                moe ? "  experts/layer" : "");
     for (const auto& r : rep.rows) {
-      std::printf("%-7s %6d %8d %10.3f %10.3f %10.3f %9.0f %9.3f %12.1f %12.3f %10.1f\n", r.mode.c_str(), r.batch,
+      std::printf("%-7s %6d %8d %10.3f %10.3f %10.3f %9.0f %9.3f %12.1f %12.3f %10.1f%s%s\n", r.mode.c_str(), r.batch,
                   r.context, r.ms_per_step, r.ms_per_step_eager, r.floor_ms, r.gb_per_s, r.fraction_of_floor,
                   r.device_bytes_other >= 0 ? r.device_bytes_other / 1048576.0 : -1.0, r.ms_per_step_restaged,
-                  r.restage_us);
+                  r.restage_us, moe ? "  " : "", moe ? routed_summary(r.routed_experts).c_str() : "");
     }
     if (rep.leak_check_growth_bytes >= 0) {
       std::printf("device memory growth over %d plain steps: %lld bytes\n", o->leak_check_steps,

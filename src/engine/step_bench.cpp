@@ -99,10 +99,23 @@ void bench_kernels(Backend& be, TargetModel& target, int page_size, StepBenchRep
       {"qkv", &l0.qkv}, {"o", &l0.o}, {"gate_up", &l0.gate_up}, {"down", &l0.down}, {"lm_head", &target.weights().lm_head}};
   for (int m : {1, 16, 32, 128}) {  // decode, a verification block, batch 32, prefill
     for (const auto& [name, w] : weights) {
+      if (w->empty()) continue;  // a routed layer's dense MLP
       Tensor x = be.alloc(m, w->cols), out = be.alloc(m, w->rows);
       be.fill_random(x, 7, 1.0f);
       KernelBenchRow r{std::string("matmul ") + name, m, 0, 0, 0, tensor_bytes(*w)};
       r.us = kernel_us(be, [&] { be.matmul(x, *w, nullptr, out); });
+      r.gb_per_s = static_cast<double>(r.bytes) / (r.us * 1e-6) / 1e9;
+      rep.kernels.push_back(r);
+    }
+    if (!l0.moe.empty()) {  // the routed MLP: router, the experts its rows go to, combine
+      Tensor x = be.alloc(m, c.n_embd), out = be.alloc(m, c.n_embd), counts = be.alloc_ids(l0.moe.n_experts);
+      be.fill_random(x, 7, 1.0f);
+      KernelBenchRow r{"moe", m, 0, 0, 0, 0};
+      r.us = kernel_us(be, [&] { be.moe(x, l0.moe, out, &counts); });
+      int routed = 0;
+      for (int32_t n : be.ids_to_host(counts)) routed += n > 0;
+      r.bytes = tensor_bytes(l0.moe.router) +
+                (tensor_bytes(l0.moe.gate_up) + tensor_bytes(l0.moe.down)) / l0.moe.n_experts * routed;
       r.gb_per_s = static_cast<double>(r.bytes) / (r.us * 1e-6) / 1e9;
       rep.kernels.push_back(r);
     }
@@ -206,7 +219,10 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       // Times the step's forward as the decode loop runs it (the forward, then one copy of its ids
       // back): op by op, as a graph replay, and restaged then replayed; `restage_us` is the
       // restaging alone. The step is laid out with a fixed shape (what graphs replay).
-      auto add_row = [&](const std::string& mode, int64_t bytes, StepRunner& runner, int rows) {
+      // bytes_of(routed): the bytes the step must read, given how many experts each routed layer's
+      // rows went to in the step's last target forward (null for a dense target).
+      using BytesOf = std::function<int64_t(const std::vector<int>*)>;
+      auto add_row = [&](const std::string& mode, const BytesOf& bytes_of, StepRunner& runner, int rows) {
         Step st = runner.prepare(plan_of(rows), /*fixed_shape=*/true);
         const std::function<void()> body = [&] { runner.forward(st); };
         StepBenchRow r;
@@ -229,6 +245,8 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
           r.restage_us = 1e3 * time_steps([&] { dev.restage_graph(g, body); });
         }
         const double ms = r.ms_per_step;
+        if (target.is_moe()) r.routed_experts = target.routed_experts();
+        const int64_t bytes = bytes_of(target.is_moe() ? &r.routed_experts : nullptr);
         r.mode = mode;
         r.batch = batch;
         r.context = ctx;
@@ -243,16 +261,23 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
 
       // Plain: one token per sequence at position ctx, logits and argmax for every row.
       StepRunner plain(m, caches, /*speculative=*/false, SpecSampling::Match, /*graphs=*/false);
-      add_row("plain", target.weight_bytes_per_step() + batch * kv_read_bytes(tc, ctx + 1, kv_dtype), plain, 1);
+      add_row("plain",
+              [&](const std::vector<int>* routed) {
+                return target.weight_bytes_per_step(routed) + batch * kv_read_bytes(tc, ctx + 1, kv_dtype);
+              },
+              plain, 1);
       if (!draft) continue;
       // DFlash: draft block [t, M..M] (bidirectional), its argmax feeding the verification of B
       // rows on the device, feature capture, the context of all B rows projected (every draft
       // accepted: the most work).
       StepRunner dflash(m, caches, /*speculative=*/true, SpecSampling::Match, /*graphs=*/false);
-      const int64_t dflash_bytes = target.weight_bytes_per_step() + draft->weight_bytes_per_step() +
-                                   batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +
-                                            kv_read_bytes(draft->config().layers, ctx + B, kv_dtype));
-      add_row("dflash", dflash_bytes, dflash, B);
+      add_row("dflash",
+              [&](const std::vector<int>* routed) {
+                return target.weight_bytes_per_step(routed) + draft->weight_bytes_per_step() +
+                       batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +
+                                kv_read_bytes(draft->config().layers, ctx + B, kv_dtype));
+              },
+              dflash, B);
     }
   }
 

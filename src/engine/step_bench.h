@@ -2,7 +2,8 @@
 // step and a DFlash step (draft block + verification + context projection) for
 // `batch` sequences with `context` cached tokens each, and compares each with
 // its floor: the bytes of weights and KV the step must read over the measured
-// copy bandwidth. Used by `dflash bench-step`.
+// copy bandwidth (of a routed target's experts, those its rows went to). Used by
+// `dflash bench-step`.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,9 @@ struct StepBenchRow {
   // and the host time of restaging one step alone.
   double ms_per_step_restaged = 0, restage_us = 0;
   int64_t bytes_per_step = 0;  // weights + KV the step must read
+  // Routed (MoE) targets: per layer, the distinct experts the step's target rows went to (the
+  // experts counted in bytes_per_step); empty for dense targets.
+  std::vector<int> routed_experts;
   int64_t device_bytes_other = -1;  // device memory beyond weights and KV pages at this row (-1: unknown)
 };
 

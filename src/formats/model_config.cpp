@@ -156,6 +156,36 @@ void parse_windows(const Fields& f, ModelConfig& c) {
   }
 }
 
+// Qwen3-MoE's routed MLP: which layers have it (decoder_sparse_step, mlp_only_layers) and its
+// shape. Keys of MoE variants this engine does not implement are refused by name.
+void parse_moe(const Fields& f, ModelConfig& c) {
+  for (const char* k : {"shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"}) {
+    check(!f.has(k) || (f.raw(k).is_number() && f.raw(k).get<double>() == 0), f.where(), ": field '", k,
+          "': shared experts are not supported");
+  }
+  check(!f.boolean("use_sliding_window", false), f.where(), ": use_sliding_window=true is not supported for Qwen3-MoE targets");
+  MoeConfig& m = c.moe;
+  m.n_experts = static_cast<int>(f.positive("num_experts"));
+  check(m.n_experts <= 4096, f.where(), ": field 'num_experts' is implausibly large: ", m.n_experts);
+  m.top_k = static_cast<int>(f.positive("num_experts_per_tok"));
+  check(m.top_k <= m.n_experts && m.top_k <= 64, f.where(), ": field 'num_experts_per_tok' (", m.top_k,
+        ") must be at most num_experts (", m.n_experts, ") and 64");
+  m.n_ff = static_cast<int>(f.positive("moe_intermediate_size"));
+  m.norm_topk_prob = f.boolean("norm_topk_prob", false);
+  const int64_t step = f.integer("decoder_sparse_step", 1);
+  check(step >= 1 && step <= c.n_layers, f.where(), ": field 'decoder_sparse_step' must be in 1..num_hidden_layers, got ",
+        step);
+  c.moe_layer.assign(static_cast<size_t>(c.n_layers), false);
+  for (int i = 0; i < c.n_layers; ++i) c.moe_layer[static_cast<size_t>(i)] = (i + 1) % step == 0;
+  if (f.has("mlp_only_layers")) {
+    check(f.raw("mlp_only_layers").is_array(), f.where(), ": field 'mlp_only_layers' must be a list of layer indices");
+    for (int i : f.int_list("mlp_only_layers")) {
+      check(i >= 0 && i < c.n_layers, f.where(), ": mlp_only_layers entry ", i, " is outside 0..", c.n_layers - 1);
+      c.moe_layer[static_cast<size_t>(i)] = false;
+    }
+  }
+}
+
 }  // namespace
 
 bool is_draft_architecture(const std::string& arch) {
@@ -173,17 +203,20 @@ ModelConfig parse_model_config(const json& j, const std::string& where) {
   Fields f(j, where);
   ModelConfig c;
   c.architecture = first_architecture(f);
-  const bool qwen3 = c.architecture == "Qwen3ForCausalLM";
+  const bool moe = c.architecture == "Qwen3MoeForCausalLM";
+  const bool qwen3 = moe || c.architecture == "Qwen3ForCausalLM";
   const bool llama = c.architecture == "LlamaForCausalLM";
   check(qwen3 || llama, where, ": unsupported architecture '", c.architecture,
-        "' (supported: Qwen3ForCausalLM, LlamaForCausalLM)");
+        "' (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM)");
   c.n_vocab = static_cast<int>(f.positive("vocab_size"));
   parse_layers(f, c);
   c.tie_embeddings = f.boolean("tie_word_embeddings", false);  // both families default to untied
   c.qk_norm = qwen3;
   c.attention_bias = f.boolean("attention_bias", false);
   c.mlp_bias = f.boolean("mlp_bias", false);
-  if (qwen3) {
+  if (moe) {
+    parse_moe(f, c);
+  } else if (qwen3) {
     check(!f.boolean("use_sliding_window", false), where, ": use_sliding_window=true is not supported for Qwen3 targets");
   } else {
     parse_windows(f, c);

@@ -22,9 +22,18 @@ struct RopeConfig {
   int64_t original_max_positions = 8192;
 };
 
+// The routed MLP of a mixture-of-experts model (Qwen3-MoE): n_experts SwiGLU experts of
+// n_ff features, top_k of them per token.
+struct MoeConfig {
+  int n_experts = 0;            // num_experts
+  int top_k = 0;                // num_experts_per_tok
+  int n_ff = 0;                 // moe_intermediate_size
+  bool norm_topk_prob = false;  // the top_k weights renormalized to sum to 1
+};
+
 // The shape of a Qwen3/Llama decoder stack (target, or the layers of a draft).
 struct ModelConfig {
-  std::string architecture;     // "Qwen3ForCausalLM", "LlamaForCausalLM", "DFlashDraftModel"
+  std::string architecture;     // "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "DFlashDraftModel"
   int n_vocab = 0;
   int n_embd = 0;               // hidden_size
   int n_layers = 0;
@@ -40,6 +49,9 @@ struct ModelConfig {
   bool attention_bias = false;  // Llama option: biases on q/k/v/o
   bool mlp_bias = false;        // Llama option: biases on gate/up/down
   std::vector<int> sliding_window;  // per layer; 0 = full attention
+  MoeConfig moe;                // Qwen3-MoE only
+  std::vector<bool> moe_layer;  // per layer: the MLP is routed (moe) rather than dense (n_ff)
+  bool is_moe_layer(int i) const { return !moe_layer.empty() && moe_layer[static_cast<size_t>(i)]; }
 };
 
 // DFlash draft: its decoder layers plus the fields that tie it to a target.

@@ -28,6 +28,18 @@ void Backend::check_row_groups(const Tensor& x, const Tensor& w, const RowGroups
   check(x.cols == w.cols && out.rows == x.rows && out.cols == g.count * g.rows, "row groups: product shape mismatch");
 }
 
+void Backend::check_moe(const Tensor& x, const MoeWeights& w, const Tensor& out, const Tensor* expert_rows) {
+  const int64_t e = w.n_experts, ff = w.n_ff;
+  check(e >= 1 && w.top_k >= 1 && w.top_k <= e && ff >= 1, "moe: ", w.top_k, " of ", e, " experts of ", ff,
+        " features is not a valid shape");
+  check(w.router.rows == e && w.router.cols == x.cols && w.gate_up.rows == e * 2 * ff && w.gate_up.cols == x.cols &&
+            w.down.rows == e * x.cols && w.down.cols == ff,
+        "moe: weight shapes do not match ", e, " experts of ", ff, " features over ", x.cols, " inputs");
+  check(out.rows == x.rows && out.cols == x.cols, "moe: output shape mismatch");
+  check(!expert_rows || (expert_rows->dtype == DType::I32 && expert_rows->rows == e && expert_rows->cols == 1),
+        "moe: expert_rows must be an I32 tensor [n_experts, 1]");
+}
+
 void Backend::check_kv_layers(const Tensor& kv, int64_t width, const std::vector<const Tensor*>& k_norms,
                               const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches) {
   check(!k_caches.empty() && k_norms.size() == k_caches.size() && v_caches.size() == k_caches.size(),

@@ -72,6 +72,17 @@ struct RowGroups {
   int count = 0;
 };
 
+// The routed MLP of a mixture-of-experts layer (Qwen3-MoE): a router and n_experts SwiGLU
+// experts, each kind of weight of every expert stacked in one tensor.
+struct MoeWeights {
+  Tensor router;   // [n_experts, n_embd]  mlp.gate
+  Tensor gate_up;  // [n_experts * 2 * n_ff, n_embd]: expert e's gate_proj rows, then its up_proj rows, from row e * 2 * n_ff
+  Tensor down;     // [n_experts * n_embd, n_ff]: expert e's down_proj from row e * n_embd
+  int n_experts = 0, top_k = 0, n_ff = 0;
+  bool norm_topk_prob = false;
+  bool empty() const { return router.empty(); }
+};
+
 // Shape of an upload: checkpoint tensors stacked along rows (2-D, same column
 // count) or 1-D tensors concatenated into one row. Throws Error naming the
 // tensors when they cannot be stacked.
@@ -227,6 +238,13 @@ class Backend {
                       v_cache, slots);
     attention(qkv.slice_cols(0, int64_t{p.n_heads} * p.head_dim), k_cache, v_cache, segments, positions, p, out);
   }
+  // The routed MLP, per row r of x (its normalized input): p = softmax(x[r] * router^T) in float32
+  // (the router's logits rounded to the activation type first); its top_k experts (larger p first,
+  // the lower index on ties) with weights p, divided by their sum with norm_topk_prob; then
+  // out[r] = sum over those experts in increasing expert index of weight * down_e(swiglu(gate_up_e(x[r]))).
+  // A row's result never depends on the other rows of the call. expert_rows (optional, I32
+  // [n_experts, 1]) receives how many rows each expert was given.
+  virtual void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows = nullptr) = 0;
   // out[i] = src[rows[i]]  (out may be a column slice of a wider tensor)
   virtual void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) = 0;
   // Index of the largest value per row (first on ties).
@@ -244,6 +262,7 @@ class Backend {
  protected:
   // Argument checks of matmul_row_groups and kv_rope_write_layers (Error naming the mismatch).
   static void check_row_groups(const Tensor& x, const Tensor& w, const RowGroups& groups, const Tensor& out);
+  static void check_moe(const Tensor& x, const MoeWeights& w, const Tensor& out, const Tensor* expert_rows);
   static void check_kv_layers(const Tensor& kv, int64_t width, const std::vector<const Tensor*>& k_norms,
                               const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches);
   // top_candidates for checked, non-empty arguments. This one copies the rows to the host and

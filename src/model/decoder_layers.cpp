@@ -13,6 +13,29 @@ std::vector<const TensorInfo*> qkv_parts(const TensorStore& s, const ModelConfig
           &s.get(p + "self_attn.v_proj.weight", {kv_dim, h})};
 }
 
+// A routed MLP: the router and every expert's weights in the layout transformers writes
+// (mlp.experts.E.{gate,up,down}_proj.weight), each kind stacked in one upload.
+static MoeWeights load_moe(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p) {
+  const MoeConfig& m = c.moe;
+  const int64_t h = c.n_embd, ff = m.n_ff;
+  MoeWeights w;
+  w.n_experts = m.n_experts;
+  w.top_k = m.top_k;
+  w.n_ff = m.n_ff;
+  w.norm_topk_prob = m.norm_topk_prob;
+  w.router = be.upload({&s.get(p + "gate.weight", {m.n_experts, h})});
+  std::vector<const TensorInfo*> gate_up, down;
+  for (int e = 0; e < m.n_experts; ++e) {
+    const std::string ep = cat(p, "experts.", e, ".");
+    gate_up.push_back(&s.get(ep + "gate_proj.weight", {ff, h}));
+    gate_up.push_back(&s.get(ep + "up_proj.weight", {ff, h}));
+    down.push_back(&s.get(ep + "down_proj.weight", {h, ff}));
+  }
+  w.gate_up = be.upload(gate_up);
+  w.down = be.upload(down);
+  return w;
+}
+
 LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i,
                         const Tensor* qkv) {
   const std::string p = cat(prefix, "layers.", i, ".");
@@ -31,6 +54,10 @@ LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c,
     w.k_norm = be.upload({&s.get(p + "self_attn.k_norm.weight", {c.head_dim})});
   }
   w.mlp_norm = be.upload({&s.get(p + "post_attention_layernorm.weight", {h})});
+  if (c.is_moe_layer(i)) {
+    w.moe = load_moe(be, s, c, p + "mlp.");
+    return w;
+  }
   w.gate_up = be.upload({&s.get(p + "mlp.gate_proj.weight", {c.n_ff, h}), &s.get(p + "mlp.up_proj.weight", {c.n_ff, h})});
   w.down = be.upload({&s.get(p + "mlp.down_proj.weight", {h, c.n_ff})});
   if (c.mlp_bias) {
@@ -40,11 +67,15 @@ LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c,
   return w;
 }
 
-int64_t layer_bytes(const LayerWeights& w) {
+int64_t layer_bytes(const LayerWeights& w, int routed_experts) {
   int64_t n = 0;
   for (const Tensor* t : {&w.attn_norm, &w.qkv, &w.qkv_bias, &w.q_norm, &w.k_norm, &w.o, &w.o_bias, &w.mlp_norm,
-                          &w.gate_up, &w.gate_up_bias, &w.down, &w.down_bias})
+                          &w.gate_up, &w.gate_up_bias, &w.down, &w.down_bias, &w.moe.router})
     n += tensor_bytes(*t);
+  if (!w.moe.empty()) {
+    const int64_t experts = tensor_bytes(w.moe.gate_up) + tensor_bytes(w.moe.down);
+    n += routed_experts < 0 ? experts : experts / w.moe.n_experts * routed_experts;
+  }
   return n;
 }
 
@@ -59,8 +90,11 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   Tensor qkv = be.alloc(n, q_dim + 2 * kv_dim);
   Tensor attn = be.alloc(n, q_dim);
   Tensor delta = be.alloc(n, c.n_embd);
-  Tensor gate_up = be.alloc(n, 2 * int64_t{c.n_ff});
-  Tensor act = be.alloc(n, c.n_ff);
+  // Dense layers' MLP scratch (a stack of routed layers only has none).
+  bool dense = false;
+  for (const LayerWeights& w : layers) dense = dense || w.moe.empty();
+  Tensor gate_up = dense ? be.alloc(n, 2 * int64_t{c.n_ff}) : Tensor{};
+  Tensor act = dense ? be.alloc(n, c.n_ff) : Tensor{};
   // The residual stream (float32: the layers' outputs add up unrounded) alternates between x
   // and x2: a product that normalizes its own input reads one while it stores residual + delta
   // to the other.
@@ -93,6 +127,12 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
                      in.cache->v[l], *in.segments, *in.positions, ap, attn);
     be.matmul(attn, w.o, opt(w.o_bias), delta);
     ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps};
+    if (!w.moe.empty()) {
+      be.norm_in(mlp_in, h);
+      std::swap(cur, next);
+      be.moe(h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr);
+      continue;
+    }
     be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), act, &gate_up);
     std::swap(cur, next);
     be.matmul(act, w.down, opt(w.down_bias), delta);

@@ -21,6 +21,7 @@ struct LayerWeights {
   Tensor o;          // [n_embd, n_heads * head_dim]
   Tensor o_bias;     // [1, n_embd] or empty
   Tensor mlp_norm;   // [1, n_embd]  post_attention_layernorm
+  MoeWeights moe;    // a routed layer's experts (Qwen3-MoE); empty: the dense MLP below
   Tensor gate_up;    // [2 * n_ff, n_embd]  gate_proj ++ up_proj
   Tensor gate_up_bias;  // [1, 2 * n_ff] or empty
   Tensor down;       // [n_embd, n_ff]
@@ -34,8 +35,9 @@ struct LayerWeights {
 
 // Bytes of a tensor's elements (0 when empty).
 inline int64_t tensor_bytes(const Tensor& t) { return t.empty() ? 0 : t.rows * t.cols * static_cast<int64_t>(dtype_size(t.dtype)); }
-// Bytes of every weight of the layer: what one forward over it must read.
-int64_t layer_bytes(const LayerWeights& w);
+// Bytes of every weight of the layer; with `routed_experts`, a routed layer counts only that many
+// of its experts: what one forward over it must read.
+int64_t layer_bytes(const LayerWeights& w, int routed_experts = -1);
 
 // Loads layer `i` with tensor names `prefix`layers.i.*, checking every shape.
 // The q/k/v weight parts of layer i, in the order they stack (q_proj, k_proj, v_proj), shape-checked.
@@ -55,6 +57,9 @@ struct StackInputs {
   // into captured.slice_cols(k * n_embd, n_embd) where k is j's index in the list.
   const std::vector<int>* capture_layers = nullptr;
   Tensor* captured = nullptr;
+  // Optional, per layer: where a routed layer records how many rows each expert got
+  // (Backend::moe's expert_rows; empty tensors for dense layers).
+  std::vector<Tensor>* expert_rows = nullptr;
 };
 
 // Runs all layers over `x` [rows, n_embd] (the residual stream, from Backend::alloc_f32, updated in place)

@@ -14,16 +14,28 @@ TargetModel::TargetModel(Backend& be, const std::string& dir) : be_(be), dir_(di
   w_.final_norm = be.upload({&store.get("model.norm.weight", {h})});
   w_.lm_head = cfg_.tie_embeddings ? w_.embed : be.upload({&store.get("lm_head.weight", {v, h})});
   inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.head_dim);
+  expert_rows_.resize(w_.layers.size());
+  for (size_t l = 0; l < w_.layers.size(); ++l)
+    if (!w_.layers[l].moe.empty()) expert_rows_[l] = be.alloc_ids(cfg_.moe.n_experts);
 }
 
 KvCache TargetModel::alloc_cache(int n_pages, int page_size) {
   return be_.alloc_kv(cfg_.n_layers, n_pages, page_size, cfg_.n_kv_heads, cfg_.head_dim);
 }
 
-int64_t TargetModel::weight_bytes_per_step() const {
+int64_t TargetModel::weight_bytes_per_step(const std::vector<int>* routed) const {
   int64_t n = tensor_bytes(w_.final_norm) + tensor_bytes(w_.lm_head);
-  for (const auto& l : w_.layers) n += layer_bytes(l);
+  for (size_t l = 0; l < w_.layers.size(); ++l) n += layer_bytes(w_.layers[l], routed ? (*routed)[l] : -1);
   return n;
+}
+
+std::vector<int> TargetModel::routed_experts() {
+  std::vector<int> distinct(w_.layers.size(), 0);
+  for (size_t l = 0; l < w_.layers.size(); ++l) {
+    if (expert_rows_[l].empty()) continue;
+    for (int32_t rows : be_.ids_to_host(expert_rows_[l])) distinct[l] += rows > 0;
+  }
+  return distinct;
 }
 
 Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t>& rows, const Tensor& lm_head) {
@@ -58,6 +70,7 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
   in.kv_slots = &batch.kv_slots;
   in.segments = &batch.segments;
   in.cache = &cache;
+  in.expert_rows = &expert_rows_;
   if (!capture_layers.empty()) {
     out.captured = be_.alloc(n, static_cast<int64_t>(capture_layers.size()) * cfg_.n_embd);
     in.capture_layers = &capture_layers;

@@ -33,8 +33,13 @@ class TargetModel {
   Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
 
   KvCache alloc_cache(int n_pages, int page_size);
-  // Weight bytes a decode step reads: every layer, the final norm and lm_head.
-  int64_t weight_bytes_per_step() const;
+  // Weight bytes a decode step reads: every layer, the final norm and lm_head. With `routed`
+  // (routed_experts()), a routed layer counts only the experts its rows went to.
+  int64_t weight_bytes_per_step(const std::vector<int>* routed = nullptr) const;
+  // Per layer, how many distinct experts the last forward routed rows to (0 for dense layers).
+  // Synchronizes.
+  std::vector<int> routed_experts();
+  bool is_moe() const { return !cfg_.moe_layer.empty(); }
   const ModelConfig& config() const { return cfg_; }
   const TargetWeights& weights() const { return w_; }
   Backend& backend() const { return be_; }
@@ -46,6 +51,7 @@ class TargetModel {
   ModelConfig cfg_;
   TargetWeights w_;
   std::vector<float> inv_freq_;
+  std::vector<Tensor> expert_rows_;  // per layer: Backend::moe's expert_rows of the last forward
 };
 
 // Final step shared with the draft: logits of `rows` of the normed hidden states.

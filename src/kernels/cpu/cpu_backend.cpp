@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "kernels/backend.h"
 #include "util/error.h"
@@ -41,6 +43,26 @@ void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* o
   for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
   const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * scale);
+}
+
+// The router's choice for one row: top_k experts by softmax probability (larger first, the lower
+// index on ties), returned in increasing expert index with their weights.
+std::vector<std::pair<int, float>> route_row(const float* logits, int n_experts, int top_k, bool norm_topk_prob) {
+  const float m = *std::max_element(logits, logits + n_experts);
+  std::vector<float> p(static_cast<size_t>(n_experts));
+  float sum = 0.0f;
+  for (int e = 0; e < n_experts; ++e) sum += p[e] = std::exp(logits[e] - m);
+  for (float& v : p) v /= sum;
+  std::vector<int> order(static_cast<size_t>(n_experts));
+  for (int e = 0; e < n_experts; ++e) order[e] = e;
+  std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                    [&](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  float top_sum = 0.0f;
+  for (int i = 0; i < top_k; ++i) top_sum += p[order[i]];
+  std::vector<std::pair<int, float>> chosen;
+  for (int i = 0; i < top_k; ++i) chosen.emplace_back(order[i], norm_topk_prob ? p[order[i]] / top_sum : p[order[i]]);
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
 }
 
 void require_f32(const Tensor& t, const char* what) {
@@ -256,6 +278,49 @@ class CpuBackend final : public Backend {
         const float inv = sum > 0 ? 1.0f / sum : 0.0f;
         for (int d = 0; d < p.head_dim; ++d) o[d] = acc[d] * inv;
       }
+    }
+  }
+
+  void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows) override {
+    check_moe(x, w, out, expert_rows);
+    const int64_t h = x.cols, ff = w.n_ff;
+    std::vector<std::vector<std::pair<int, float>>> routes(static_cast<size_t>(x.rows));
+    for (int64_t r = 0; r < x.rows; ++r) {
+      std::vector<float> logits(static_cast<size_t>(w.n_experts));
+      for (int e = 0; e < w.n_experts; ++e) logits[e] = dot(x.row_f32(r), w.router.row_f32(e), h);
+      routes[r] = route_row(logits.data(), w.n_experts, w.top_k, w.norm_topk_prob);
+    }
+    // One row's experts in increasing index, each added to out as soon as it is done: the same
+    // operations in the same order whatever the other rows.
+    auto run_row = [&](int64_t r, std::vector<float>& act, bool parallel) {
+      const float* xr = x.row_f32(r);
+      float* o = out.row_f32(r);
+      std::fill(o, o + h, 0.0f);
+      for (const auto& [e, weight] : routes[r]) {
+        const int64_t gate0 = int64_t{e} * 2 * ff, down0 = int64_t{e} * h;
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t i = 0; i < ff; ++i)
+          act[i] = silu(dot(xr, w.gate_up.row_f32(gate0 + i), h)) * dot(xr, w.gate_up.row_f32(gate0 + ff + i), h);
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t j = 0; j < h; ++j) o[j] += weight * dot(act.data(), w.down.row_f32(down0 + j), ff);
+      }
+    };
+    if (x.rows == 1) {
+      std::vector<float> act(static_cast<size_t>(ff));
+      run_row(0, act, true);
+    } else {
+#pragma omp parallel
+      {
+        std::vector<float> act(static_cast<size_t>(ff));
+#pragma omp for schedule(dynamic)
+        for (int64_t r = 0; r < x.rows; ++r) run_row(r, act, false);
+      }
+    }
+    if (expert_rows) {
+      auto* counts = static_cast<int32_t*>(expert_rows->data);
+      for (int e = 0; e < w.n_experts; ++e) counts[e * expert_rows->stride] = 0;
+      for (const auto& route : routes)
+        for (const auto& chosen : route) ++counts[chosen.first * expert_rows->stride];
     }
   }
 

@@ -12,8 +12,8 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="tests logits sites bench profile ab builds serving sampling ncu ncu-decode graphs"
-# (default: all but sites, profile, ab, builds, sampling, ncu, ncu-decode and graphs).
+# Steps can be chosen with STEPS="fixtures-moe tests logits sites bench bench-moe profile ab builds serving
+# serving-moe sampling ncu ncu-decode graphs" (default: tests logits bench serving).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -75,8 +75,27 @@ random_8b_pair() {
   [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
   [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
 }
+# The random 30B-A3B-shaped MoE target (about 61 GB) and a dense draft for it. The disk holds it
+# or the 8B pair, not both.
+random_moe_pair() {
+  if [ ! -f "$ckpt/qwen3-30b-a3b/config.json" ]; then
+    rm -rf "$ckpt/qwen3-8b" "$ckpt/dflash-8b" "$ckpt/qwen3-30b-a3b"
+    python3 tools/make_random_checkpoint.py qwen3-30b-a3b "$ckpt/qwen3-30b-a3b" --seed 4
+  fi
+  [ -f "$ckpt/dflash-30b-a3b/config.json" ] ||
+    python3 tools/make_random_checkpoint.py dflash-30b-a3b "$ckpt/dflash-30b-a3b" --seed 5
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
 status=0
+
+if [[ $steps == *fixtures-moe* ]]; then
+  # The Qwen3-MoE test fixtures, written by transformers here (tests/fixtures keeps them; they come
+  # back as $out/fixtures_moe.tar.xz).
+  echo "== Qwen3-MoE fixtures =="
+  python3 tools/make_fixtures.py --out tests/fixtures --only "${FIXTURES_ONLY:-moe}" 2>&1 | tee "$out/fixtures_moe.txt" || status=1
+  tar -cJf "$out/fixtures_moe.tar.xz" tests/fixtures/targets/*moe* tests/fixtures/drafts/*moe* \
+    tests/fixtures/expected/*moe* || status=1
+fi
 
 if [[ $steps == *tests* ]]; then
   echo "== CUDA kernel and engine tests =="
@@ -100,7 +119,7 @@ if [[ $steps == *sites* ]]; then
     status=1
 fi
 
-if [[ $steps == *bench* ]]; then
+if [[ " $steps " == *" bench "* ]]; then
   echo "== bench-step: Qwen3-8B shape + z-lab DFlash draft shape, random weights =="
   random_8b_pair
   "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
@@ -125,6 +144,14 @@ if [[ $steps == *profile* ]]; then
   # The same rows untraced.
   "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
     --batch 1,32 --context 512 --skip-kernels --leak-check-steps 0 2>&1 | tee "$out/bench_step_untraced.txt" || status=1
+fi
+
+if [[ $steps == *bench-moe* ]]; then
+  echo "== bench-step: Qwen3-30B-A3B shape + a dense DFlash draft, random weights (uniform routing) =="
+  random_moe_pair
+  "$dflash" bench-step --device cuda --model "$ckpt/qwen3-30b-a3b" --draft "$ckpt/dflash-30b-a3b" \
+    --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --json "$out/bench_step_moe.json" \
+    2>&1 | tee "$out/bench_step_moe.txt" || status=1
 fi
 
 if [[ " $steps " == *" ncu "* ]]; then
@@ -184,7 +211,16 @@ if [[ " $steps " == *" builds "* ]]; then
   done
 fi
 
-if [[ $steps == *serving* ]]; then
+if [[ $steps == *serving-moe* ]]; then
+  echo "== serving sweep on the GPU: the 30B-A3B-shaped pair =="
+  random_moe_pair
+  tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$ckpt/qwen3-30b-a3b/"
+  python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
+    --max-tokens 128 \
+    --server-args "--device cuda --model $ckpt/qwen3-30b-a3b --draft $ckpt/dflash-30b-a3b --gpu-memory-fraction 0.9" \
+    --json "$out/serving_gpu_qwen3-30b-a3b-shape.json" 2>&1 | tee "$out/serving_gpu_qwen3-30b-a3b-shape.txt" || status=1
+fi
+if [[ " $steps " == *" serving "* ]]; then
   # Step times with the 8B-shaped random pair (the Qwen3 tokenizer from the test fixtures; its
   # random drafts are never accepted), tau with the bundled pair.
   echo "== serving sweeps on the GPU =="
@@ -221,7 +257,7 @@ if [[ $steps == *sampling* ]]; then
 fi
 if [[ " $steps " == *" graphs "* ]]; then
   # Greedy `generate --json` with the decoding forwards replayed as CUDA graphs (the default) and
-  # launched op by op (DFLASH_GRAPHS=0): 8B-shaped random pair (drafts never accepted) and the
+  # launched op by op (--no-graphs): 8B-shaped random pair (drafts never accepted) and the
   # bundled pair.
   echo "== generate: CUDA-graph replays against op-by-op launches =="
   random_8b_pair
@@ -230,11 +266,12 @@ if [[ " $steps " == *" graphs "* ]]; then
   for run in 1 2; do
     for graphs in 1 0; do
       for spec in none dflash; do
-        echo "8b-shape speculative=$spec DFLASH_GRAPHS=$graphs: $(DFLASH_GRAPHS=$graphs "$dflash" generate --device cuda \
+        nog=""; [ $graphs = 0 ] && nog=--no-graphs
+        echo "8b-shape speculative=$spec graphs=$graphs: $("$dflash" generate --device cuda $nog \
           --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" --speculative "$spec" --prompt-ids "$ids" \
           --max-tokens 256 --ignore-eos --json | python3 tools/generate_stats.py)" | tee -a "$out/generate_graphs_gpu.txt" ||
           status=1
-        echo "bundled speculative=$spec DFLASH_GRAPHS=$graphs: $(DFLASH_GRAPHS=$graphs "$dflash" generate --device cuda \
+        echo "bundled speculative=$spec graphs=$graphs: $("$dflash" generate --device cuda $nog \
           --speculative "$spec" --prompt "def quicksort(items):" --max-tokens 512 --ignore-eos --json |
           python3 tools/generate_stats.py)" | tee -a "$out/generate_graphs_gpu.txt" || status=1
       done

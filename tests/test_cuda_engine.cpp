@@ -47,7 +47,8 @@ TEST_F(CudaEngine, TargetLogitsTrackTheCpuBackend) {
   auto gpu = make_cuda_backend();
   auto cpu = make_cpu_backend();
   std::mt19937 rng(7);
-  for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3"}) {
+  for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3",
+                           "qwen3_moe_tied", "qwen3_moe_untied_bf16"}) {
     const std::string dir = fixture(std::string("targets/") + name);
     std::vector<int32_t> prompt(100);
     for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
@@ -88,7 +89,8 @@ double expect_lossless(Engine& engine, const std::vector<std::vector<int32_t>>& 
 }
 
 TEST_F(CudaEngine, DFlashEqualsPlainGreedyForFixturePairs) {
-  for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3"}) {
+  for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3",
+                           "qwen3_moe_tied", "qwen3_moe_untied_bf16"}) {
     const auto meta = test::read_json(fixture(std::string("expected/") + name + ".json"));
     EngineOptions eo;
     eo.device = "cuda";

@@ -132,6 +132,12 @@ TEST(ModelConfig, Qwen3MoeRoutedLayers) {
   EXPECT_FALSE(d.moe.norm_topk_prob);
   for (int i = 0; i < 48; ++i) EXPECT_EQ(d.is_moe_layer(i), i % 2 == 1 && i != 3) << i;
 
+  // transformers 5 writes num_local_experts.
+  json t5 = qwen3_30b_a3b();
+  t5.erase("num_experts");
+  t5["num_local_experts"] = 64;
+  EXPECT_EQ(parse_model_config(t5, "cfg.json").moe.n_experts, 64);
+
   // A dense Qwen3 has no routed layers.
   EXPECT_FALSE(parse_model_config(qwen3_8b_legacy(), "cfg.json").is_moe_layer(0));
 }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "formats/safetensors.h"
+#include "model/forward_batch.h"
 #include "model/target_model.h"
 #include "util/error.h"
 #include "test_util.h"
@@ -90,6 +91,75 @@ TEST(ModelLoading, ConfigThatDisagreesWithTensors) {
   copy_checkpoint("qwen3_gqa_tied", dir, [](auto&, auto&, auto&) { return true; },
                   [](json& cfg) { cfg["intermediate_size"] = 100; });
   expect_load_error(dir, {"mlp.gate_proj.weight", "expected [100, 64]"});
+}
+
+TEST(ModelLoading, MissingExpertIsNamed) {
+  test::TempDir dir;
+  copy_checkpoint("qwen3_moe_tied", dir, [](const std::string& n, auto&, auto&) {
+    return n != "model.layers.2.mlp.experts.5.up_proj.weight";
+  });
+  expect_load_error(dir, {"missing tensor 'model.layers.2.mlp.experts.5.up_proj.weight'"});
+}
+
+TEST(ModelLoading, RoutedLayerListedAsDenseIsNamed) {
+  // mlp_only_layers says layer 2 is dense, but the checkpoint has experts there.
+  test::TempDir dir;
+  copy_checkpoint("qwen3_moe_tied", dir, [](auto&, auto&, auto&) { return true; },
+                  [](json& cfg) { cfg["mlp_only_layers"] = {1, 2}; });
+  expect_load_error(dir, {"missing tensor 'model.layers.2.mlp.gate_proj.weight'"});
+}
+
+std::vector<float> prefill_logits(const std::string& dir, const std::vector<int32_t>& ids) {
+  auto be = make_cpu_backend();
+  TargetModel m(*be, dir);
+  KvCache cache = m.alloc_cache(2, 16);
+  std::vector<int32_t> pages = {1, 0};
+  ForwardBatch b(16);
+  b.add_sequence(ids, 0, pages);
+  for (int32_t r = 0; r < b.n_rows(); ++r) b.logit_rows.push_back(r);
+  return be->to_host(m.forward(b, cache).logits);
+}
+
+// The experts stacked as transformers 5 holds them in memory (mlp.experts.gate_up_proj
+// [E, 2 * ff, h], mlp.experts.down_proj [E, h, ff]) load to the same model as the per-expert files.
+TEST(ModelLoading, StackedExpertsEqualPerExpertTensors) {
+  const std::string src = test::fixture("targets/qwen3_moe_tied");
+  const TensorStore store = TensorStore::open(src);
+  const json cfg = test::read_json(src + "/config.json");
+  const int n_experts = cfg.value("num_local_experts", cfg.value("num_experts", 0));
+  json header = json::object();
+  std::string data;
+  auto add = [&](const std::string& name, const TensorInfo& like, std::vector<int64_t> shape,
+                 const std::vector<const TensorInfo*>& parts) {
+    const size_t begin = data.size();
+    for (const TensorInfo* p : parts) data.append(reinterpret_cast<const char*>(p->data), p->n_bytes);
+    header[name] = {{"dtype", dtype_name(like.dtype)}, {"shape", shape}, {"data_offsets", {begin, data.size()}}};
+  };
+  int stacked_layers = 0;
+  for (const auto& t : store.all()) {
+    const auto at = t.name.find(".mlp.experts.");
+    if (at == std::string::npos) {
+      add(t.name, t, t.shape, {&t});
+      continue;
+    }
+    if (t.name.find(".experts.0.gate_proj.") == std::string::npos) continue;  // one stacked pair per layer
+    const std::string p = t.name.substr(0, at) + ".mlp.experts.";
+    std::vector<const TensorInfo*> gate_up, down;
+    for (int e = 0; e < n_experts; ++e) {
+      gate_up.push_back(&store.get(p + std::to_string(e) + ".gate_proj.weight"));
+      gate_up.push_back(&store.get(p + std::to_string(e) + ".up_proj.weight"));
+      down.push_back(&store.get(p + std::to_string(e) + ".down_proj.weight"));
+    }
+    add(p + "gate_up_proj", t, {n_experts, 2 * t.shape[0], t.shape[1]}, gate_up);
+    add(p + "down_proj", t, {n_experts, t.shape[1], t.shape[0]}, down);
+    ++stacked_layers;
+  }
+  ASSERT_GE(stacked_layers, 2);
+  test::TempDir dir;
+  test::write_file(dir.file("model.safetensors"), test::safetensors_bytes(header.dump(), data));
+  test::write_file(dir.file("config.json"), cfg.dump());
+  const std::vector<int32_t> ids = {5, 17, 200, 3, 99, 42, 7};
+  EXPECT_EQ(prefill_logits(dir.path(), ids), prefill_logits(src, ids));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@ torch + transformers; a GPU makes the trained pair take seconds):
   expected/<name>.safetensors + .json   reference outputs (float64 math)
 
     python3 tools/make_fixtures.py --out tests/fixtures
+    python3 tools/make_fixtures.py --out tests/fixtures --only moe   # the Qwen3-MoE fixtures alone
 """
 import argparse
 import inspect
@@ -20,7 +21,8 @@ import time
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dflash_reference as ref  # noqa: E402
@@ -55,13 +57,24 @@ def randomize(model, seed):
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
 
 
+MODEL_CLASSES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+                 "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+def eager_experts(model):
+    """The experts' plain per-expert loop (grouped kernels may not take float64)."""
+    if hasattr(model.config, "_experts_implementation"):
+        model.config._experts_implementation = "eager"
+    return model
+
+
 def make_target(kind, seed, **kw):
-    cls_cfg, cls_model = (Qwen3Config, Qwen3ForCausalLM) if kind == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    cls_cfg, cls_model = MODEL_CLASSES[kind]
     rope = rope_kwargs(cls_cfg, kw.pop("rope_theta"), kw.pop("rope_scaling", None))
     cfg = cls_cfg(vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS_ID,
                   hidden_act="silu", **rope, **kw)
     torch.manual_seed(seed)
-    model = cls_model(cfg)
+    model = eager_experts(cls_model(cfg))
     randomize(model, seed)
     return model.eval()
 
@@ -94,8 +107,23 @@ def draft_config(target_cfg, n_layers, block_size, **extra):
 
 
 def reload_target(path, device):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = eager_experts(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     return model.to(device=device, dtype=torch.float64).eval()
+
+
+def check_expert_layout(path):
+    """The per-expert tensor names the hub's Qwen3-MoE checkpoints use (dflash also reads the
+    stacked form); reported so that the fixtures record which one transformers wrote."""
+    names = set()
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            from safetensors import safe_open
+            with safe_open(os.path.join(path, f), "pt") as st:
+                names.update(st.keys())
+    per_expert = any(".mlp.experts.0.gate_proj.weight" in n for n in names)
+    stacked = any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
+    print(f"{path}: experts saved {'per expert' if per_expert else 'stacked' if stacked else 'in an unknown layout'}",
+          flush=True)
 
 
 def save_expected(out, name, tensors, meta):
@@ -224,26 +252,27 @@ def train_draft(model, draft, rng, device, steps, batch=64, prompt_len=32, total
     return draft.eval()
 
 
-def good_pair(out, device, rng, target_steps, draft_steps):
+def good_pair(out, device, rng, target_steps, draft_steps, kind="qwen3", name="trained_qwen3", **shape):
     t0 = time.time()
-    model = make_target("qwen3", 7, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
-                        rms_norm_eps=1e-6, tie_word_embeddings=True)
+    dims = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32)
+    dims.update(shape)
+    model = make_target(kind, 7, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, **dims)
     with torch.no_grad():   # back to small init for training
-        for name, p in model.named_parameters():
-            if "norm" in name:
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
     model = train_target(model, rng, device, target_steps)
-    tdir = os.path.join(out, "targets", "trained_qwen3")
+    tdir = os.path.join(out, "targets", name)
     model.to(torch.bfloat16).save_pretrained(tdir)
     model = reload_target(tdir, device).float()        # train the draft on the bf16-rounded target
     dcfg = draft_config(model.config, 2, 16, hidden_size=128, intermediate_size=256, head_dim=32)
     torch.manual_seed(11)
     draft = ref.DFlashDraft(dcfg)
     draft = train_draft(model, draft, rng, device, draft_steps)
-    ddir = os.path.join(out, "drafts", "trained_qwen3_b16")
+    ddir = os.path.join(out, "drafts", name + "_b16")
     ref.save_draft(draft, ddir, torch.bfloat16)
     print(f"good pair trained in {time.time() - t0:.1f} s", flush=True)
 
@@ -252,7 +281,7 @@ def good_pair(out, device, rng, target_steps, draft_steps):
     prompts = [synthetic_sequence(rng, rng.randrange(12, 40)) for _ in range(20)]
     max_new = 64
     plain = [ref.plain_greedy(model, p, max_new, [EOS_ID]) for p in prompts]
-    result = {"target": "targets/trained_qwen3", "draft": "drafts/trained_qwen3_b16",
+    result = {"target": "targets/" + name, "draft": "drafts/" + name + "_b16",
               "max_new_tokens": max_new, "eos_ids": [EOS_ID], "prompts": prompts, "greedy": plain}
     for B in (4, 8, 16):
         spec = [ref.dflash_greedy(model, draft, p, max_new, [EOS_ID], block_size=B) for p in prompts]
@@ -263,7 +292,55 @@ def good_pair(out, device, rng, target_steps, draft_steps):
         print(f"trained pair: block {B}: tau {tau:.3f} over {len(acc)} steps", flush=True)
         result[f"dflash_acceptance_b{B}"] = [lens for _, lens in spec]
         result[f"tau_b{B}"] = tau
-    save_expected(out, "trained_qwen3", {}, result)
+    save_expected(out, name, {}, result)
+
+
+MOE_FIXTURES = ["qwen3_moe_tied", "qwen3_moe_untied_bf16", "trained_qwen3_moe"]
+
+
+def moe_fixtures(out, device, rng, args):
+    """Qwen3-MoE targets: float32 with a dense layer among routed ones (mlp_only_layers) and
+    renormalized top-k; bf16 with routed layers every second layer (decoder_sparse_step) and raw
+    top-k weights; and a trained pair. Their drafts are dense (the z-lab layout)."""
+    for sub, names in (("targets", MOE_FIXTURES), ("drafts", ["qwen3_moe_tied_l1", "qwen3_moe_untied_l2",
+                                                            "trained_qwen3_moe_b16"]), ("expected", MOE_FIXTURES)):
+        for n in names:
+            for path in (os.path.join(out, sub, n), os.path.join(out, sub, n + ".json"),
+                         os.path.join(out, sub, n + ".safetensors")):
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+    t1 = make_target("qwen3_moe", 21, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                     rms_norm_eps=1e-6, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    t1.save_pretrained(os.path.join(out, "targets", "qwen3_moe_tied"))
+    t2 = make_target("qwen3_moe", 22, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=4, head_dim=24, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
+                     moe_intermediate_size=40, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])
+    t2.to(torch.bfloat16).save_pretrained(os.path.join(out, "targets", "qwen3_moe_untied_bf16"))
+    for name in ("qwen3_moe_tied", "qwen3_moe_untied_bf16"):
+        print(name, open(os.path.join(out, "targets", name, "config.json")).read(), flush=True)
+        check_expert_layout(os.path.join(out, "targets", name))
+    drafts = [("qwen3_moe_tied", "qwen3_moe_tied_l1", draft_config(t1.config, 1, 16), torch.float32),
+              ("qwen3_moe_untied_bf16", "qwen3_moe_untied_l2", draft_config(t2.config, 2, 16), torch.bfloat16)]
+    for i, (tname, dname, cfg, dtype) in enumerate(drafts):
+        torch.manual_seed(200 + i)
+        d = ref.DFlashDraft(cfg)
+        randomize(d, 200 + i)
+        ref.save_draft(d, os.path.join(out, "drafts", dname), dtype)
+        reference_case(out, tname, os.path.join(out, "targets", tname), os.path.join(out, "drafts", dname),
+                       device, rng)
+    if not args.skip_trained:
+        moe_trained_pair(out, device, args)
+
+
+def moe_trained_pair(out, device, args):
+    good_pair(out, device, random.Random(4322), args.target_steps, args.draft_steps, kind="qwen3_moe",
+              name="trained_qwen3_moe", num_hidden_layers=4, intermediate_size=256, num_experts=8,
+              num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True)
 
 
 def main():
@@ -272,12 +349,20 @@ def main():
     ap.add_argument("--target-steps", type=int, default=1500)
     ap.add_argument("--draft-steps", type=int, default=1500)
     ap.add_argument("--skip-trained", action="store_true")
+    ap.add_argument("--only", choices=["moe", "moe-trained"],
+                    help="write only these fixtures (moe-trained: the trained MoE pair), leaving the others as they are")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, device {device}", flush=True)
     out = args.out
+    if args.only == "moe":
+        moe_fixtures(out, device, random.Random(4321), args)
+        return
+    if args.only == "moe-trained":
+        moe_trained_pair(out, device, args)
+        return
     for sub in ("targets", "drafts", "expected"):
         shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
     rng = random.Random(1234)
@@ -319,6 +404,7 @@ def main():
 
     if not args.skip_trained:
         good_pair(out, device, rng, args.target_steps, args.draft_steps)
+    moe_fixtures(out, device, random.Random(4321), args)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     print(f"fixtures: {total / 1e6:.2f} MB under {out}", flush=True)
 

@@ -6,6 +6,12 @@ and numerics checks on the device (torch + safetensors; the GPU makes it fast).
               32/8 heads of 128, intermediate 12288, vocab 151936, untied lm_head
   dflash-8b   a DFlash draft of z-lab/Qwen3-8B-DFlash-b16's shape: 5 layers of the
               same dims, block 16, target_layer_ids [1, 9, 17, 25, 33], mask 151669
+  qwen3-30b-a3b  Qwen3MoeForCausalLM of Qwen3-30B-A3B's shape: hidden 2048, 48 layers,
+              32/4 heads of 128, 128 experts of 768 (top 8, renormalized), vocab 151936,
+              untied lm_head; per-expert tensors as on the hub (about 61 GB)
+  dflash-30b-a3b  a dense DFlash draft for it, laid out as the 8B one: 5 layers of hidden 2048,
+              32/4 heads of 128, intermediate 6144, block 16, target_layer_ids [1, 12, 23, 34, 45]
+              (the default rule for 48 target layers), mask 151669
 
 Usage: make_random_checkpoint.py SHAPE OUT_DIR [--layers N] [--seed S]
 (--layers overrides the layer count, e.g. a few real-size layers for a logits check.)
@@ -21,7 +27,12 @@ SHAPES = {
     "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, ff=12288, vocab=151936),
     "dflash-8b": dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, ff=12288, vocab=151936,
                       target_layers=36, layer_ids=[1, 9, 17, 25, 33], mask=151669, block=16),
+    "qwen3-30b-a3b": dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ff=6144, vocab=151936,
+                          experts=128, top_k=8, moe_ff=768),
+    "dflash-30b-a3b": dict(hidden=2048, layers=5, heads=32, kv_heads=4, head_dim=128, ff=6144, vocab=151936,
+                           target_layers=48, layer_ids=[1, 12, 23, 34, 45], mask=151669, block=16),
 }
+TARGETS = ("qwen3-8b", "qwen3-30b-a3b")
 SHARD_BYTES = 4 << 30
 
 
@@ -33,9 +44,14 @@ def config_for(name, s):
         "max_position_embeddings": 40960, "attention_bias": False, "tie_word_embeddings": False,
         "model_type": "qwen3", "torch_dtype": "bfloat16",
     }
-    if name == "qwen3-8b":
+    if name in TARGETS:
         base.update({"architectures": ["Qwen3ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151645,
                      "use_sliding_window": False, "sliding_window": None})
+        if "experts" in s:
+            base.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                         "num_experts": s["experts"], "num_experts_per_tok": s["top_k"],
+                         "moe_intermediate_size": s["moe_ff"], "norm_topk_prob": True, "decoder_sparse_step": 1,
+                         "mlp_only_layers": []})
     else:
         base.update({"architectures": ["DFlashDraftModel"], "block_size": s["block"],
                      "num_target_layers": s["target_layers"],
@@ -52,8 +68,8 @@ def tensors(name, s, gen, device):
     def norm(n):
         return (1.0 + torch.randn(n, generator=gen, device=device) * 0.1).to(torch.bfloat16).cpu()
 
-    prefix = "model." if name == "qwen3-8b" else ""
-    if name == "qwen3-8b":
+    prefix = "model." if name in TARGETS else ""
+    if name in TARGETS:
         yield "model.embed_tokens.weight", rnd(s["vocab"], h, std=1.0)
     else:
         yield "fc.weight", rnd(h, len(s["layer_ids"]) * h)
@@ -68,11 +84,18 @@ def tensors(name, s, gen, device):
         yield p + "self_attn.q_norm.weight", norm(s["head_dim"])
         yield p + "self_attn.k_norm.weight", norm(s["head_dim"])
         yield p + "post_attention_layernorm.weight", norm(h)
+        if "experts" in s:
+            yield p + "mlp.gate.weight", rnd(s["experts"], h)
+            for e in range(s["experts"]):
+                yield p + f"mlp.experts.{e}.gate_proj.weight", rnd(s["moe_ff"], h)
+                yield p + f"mlp.experts.{e}.up_proj.weight", rnd(s["moe_ff"], h)
+                yield p + f"mlp.experts.{e}.down_proj.weight", rnd(h, s["moe_ff"])
+            continue
         yield p + "mlp.gate_proj.weight", rnd(ff, h)
         yield p + "mlp.up_proj.weight", rnd(ff, h)
         yield p + "mlp.down_proj.weight", rnd(h, ff)
     yield prefix + "norm.weight", norm(h)
-    if name == "qwen3-8b":
+    if name in TARGETS:
         yield "lm_head.weight", rnd(s["vocab"], h)
 
 
@@ -86,32 +109,36 @@ def main():
     s = dict(SHAPES[a.shape])
     if a.layers:
         s["layers"] = a.layers
-        if a.shape == "dflash-8b":
+        if "layer_ids" in s:
             s["layer_ids"] = [i for i in s["layer_ids"] if i < s["target_layers"]]
     os.makedirs(a.out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(a.seed)
-    shards, current, size = [], {}, 0
+    # Shards are written as they fill (the 30B-A3B shape is about 61 GB: never all in memory).
+    weight_map, total, n_shards = {}, 0, 0
+    current, size = {}, 0
+
+    def flush():
+        nonlocal n_shards, current, size
+        n_shards += 1
+        fname = f"model-{n_shards:05d}.safetensors"
+        save_file(current, os.path.join(a.out, fname), metadata={"format": "pt"})
+        for k in current:
+            weight_map[k] = fname
+        current, size = {}, 0
+
     for key, t in tensors(a.shape, s, gen, device):
         if current and size + t.numel() * 2 > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
+            flush()
         current[key] = t
         size += t.numel() * 2
-    shards.append(current)
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
-        save_file(shard, os.path.join(a.out, fname), metadata={"format": "pt"})
-        for k, t in shard.items():
-            weight_map[k] = fname
-            total += t.numel() * 2
-    if len(shards) > 1:
-        with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        total += t.numel() * 2
+    flush()
+    with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(config_for(a.shape, s), f, indent=2)
-    print(f"{a.out}: {a.shape}, {s['layers']} layers, {total / 1e9:.2f} GB in {len(shards)} file(s)")
+    print(f"{a.out}: {a.shape}, {s['layers']} layers, {total / 1e9:.2f} GB in {n_shards} file(s)")
 
 
 if __name__ == "__main__":

@@ -165,8 +165,10 @@ void parse_moe(const Fields& f, ModelConfig& c) {
   }
   check(!f.boolean("use_sliding_window", false), f.where(), ": use_sliding_window=true is not supported for Qwen3-MoE targets");
   MoeConfig& m = c.moe;
-  m.n_experts = static_cast<int>(f.positive("num_experts"));
-  check(m.n_experts <= 4096, f.where(), ": field 'num_experts' is implausibly large: ", m.n_experts);
+  // The hub's configs say num_experts; transformers 5 writes num_local_experts.
+  const char* experts_key = f.has("num_experts") || !f.has("num_local_experts") ? "num_experts" : "num_local_experts";
+  m.n_experts = static_cast<int>(f.positive(experts_key));
+  check(m.n_experts <= 4096, f.where(), ": field '", experts_key, "' is implausibly large: ", m.n_experts);
   m.top_k = static_cast<int>(f.positive("num_experts_per_tok"));
   check(m.top_k <= m.n_experts && m.top_k <= 64, f.where(), ": field 'num_experts_per_tok' (", m.top_k,
         ") must be at most num_experts (", m.n_experts, ") and 64");

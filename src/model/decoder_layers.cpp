@@ -13,8 +13,16 @@ std::vector<const TensorInfo*> qkv_parts(const TensorStore& s, const ModelConfig
           &s.get(p + "self_attn.v_proj.weight", {kv_dim, h})};
 }
 
-// A routed MLP: the router and every expert's weights in the layout transformers writes
-// (mlp.experts.E.{gate,up,down}_proj.weight), each kind stacked in one upload.
+// A 3-D checkpoint tensor [n, rows, cols] seen as the 2-D [n * rows, cols] it is in memory.
+static TensorInfo flattened(const TensorInfo& t) {
+  TensorInfo f = t;
+  f.shape = {t.shape[0] * t.shape[1], t.shape[2]};
+  return f;
+}
+
+// A routed MLP: the router and every expert's weights, each kind stacked in one upload. Reads the
+// hub's layout (mlp.experts.E.{gate,up,down}_proj.weight) and the stacked one transformers 5 keeps
+// in memory (mlp.experts.gate_up_proj [E, 2 * ff, h], mlp.experts.down_proj [E, h, ff]).
 static MoeWeights load_moe(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p) {
   const MoeConfig& m = c.moe;
   const int64_t h = c.n_embd, ff = m.n_ff;
@@ -24,6 +32,13 @@ static MoeWeights load_moe(Backend& be, const TensorStore& s, const ModelConfig&
   w.n_ff = m.n_ff;
   w.norm_topk_prob = m.norm_topk_prob;
   w.router = be.upload({&s.get(p + "gate.weight", {m.n_experts, h})});
+  if (s.find(p + "experts.gate_up_proj")) {
+    const TensorInfo gate_up = flattened(s.get(p + "experts.gate_up_proj", {m.n_experts, 2 * ff, h}));
+    const TensorInfo down = flattened(s.get(p + "experts.down_proj", {m.n_experts, h, ff}));
+    w.gate_up = be.upload({&gate_up});
+    w.down = be.upload({&down});
+    return w;
+  }
   std::vector<const TensorInfo*> gate_up, down;
   for (int e = 0; e < m.n_experts; ++e) {
     const std::string ep = cat(p, "experts.", e, ".");

@@ -63,6 +63,14 @@ Command add_inspect(CLI::App& app) {
       std::printf("q/k norm:           %s\n", c.qk_norm ? "yes" : "no");
       std::printf("attention bias:     %s, mlp bias: %s\n", c.attention_bias ? "yes" : "no", c.mlp_bias ? "yes" : "no");
       std::printf("tied embeddings:    %s\n", c.tie_embeddings ? "yes" : "no");
+      if (!c.moe_layer.empty()) {
+        std::vector<int> routed;
+        for (int i = 0; i < c.n_layers; ++i)
+          if (c.is_moe_layer(i)) routed.push_back(i);
+        std::printf("experts:            top %d of %d, %d features each, weights %s\n", c.moe.top_k, c.moe.n_experts,
+                    c.moe.n_ff, c.moe.norm_topk_prob ? "renormalized" : "as routed");
+        std::printf("routed layers:      %zu of %d (%s)\n", routed.size(), c.n_layers, join(routed).c_str());
+      }
       const GenerationConfig g = load_generation_config(*dir);
       std::vector<int> eos(g.eos_token_ids.begin(), g.eos_token_ids.end());
       std::printf("eos token ids:      %s\n", join(eos).c_str());

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -215,6 +216,41 @@ TEST(Cli, BadInputGivesOneClearMessage) {
   const auto usage = run_cli("generate --max-tokens 0 --model x");
   EXPECT_EQ(usage.status, 2) << usage.err;
   EXPECT_EQ(run_cli("frobnicate").status, 2);
+}
+
+// bench-step on a routed target: the floor counts the experts the step's rows went to (per layer,
+// 0 for the dense layer), and whole prefills are chunked as the server chunks them.
+TEST(Cli, BenchStepOfARoutedTargetCountsRoutedExpertsAndPrefills) {
+  test::TempDir dir;
+  const auto r = run_cli("bench-step --device cpu --model " + fixture("targets/qwen3_moe_tied") + " --draft " +
+                         fixture("drafts/qwen3_moe_tied_l1") +
+                         " --batch 1,3 --context 40 --iters 2 --warmup 1 --skip-kernels --leak-check-steps 0"
+                         " --prefill 50 --prefill-batch 1,2 --max-tokens-per-step 64 --json " + dir.file("rows.json"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("experts/layer"), std::string::npos) << r.out;
+  const auto rows = test::read_json(dir.file("rows.json"));
+  int decode_rows = 0, prefill_rows = 0;
+  for (const auto& row : rows) {
+    if (row["mode"] == "prefill") {
+      ++prefill_rows;
+      // 2 prompts of 50 tokens in steps of at most 64 rows: 2 steps.
+      EXPECT_EQ(row["steps"].get<int>(), row["batch"].get<int>() == 1 ? 1 : 2) << row.dump();
+      EXPECT_GT(row["tokens_per_s"].get<double>(), 0);
+      continue;
+    }
+    ++decode_rows;
+    const auto routed = row["routed_experts_per_layer"].get<std::vector<int>>();
+    ASSERT_EQ(routed.size(), 4u);
+    EXPECT_EQ(routed[1], 0);  // mlp_only_layers: [1]
+    const int rows_routed = row["batch"].get<int>() * (row["mode"] == "dflash" ? 16 : 1);
+    for (int l : {0, 2, 3}) {
+      EXPECT_GE(routed[l], 2) << row.dump();  // top 2 of 8
+      EXPECT_LE(routed[l], std::min(8, 2 * rows_routed)) << row.dump();
+    }
+    EXPECT_GT(row["bytes_per_step"].get<int64_t>(), 0);
+  }
+  EXPECT_EQ(decode_rows, 4);
+  EXPECT_EQ(prefill_rows, 2);
 }
 
 }  // namespace

@@ -58,6 +58,46 @@ TEST_F(CudaEngine, TargetLogitsTrackTheCpuBackend) {
   }
 }
 
+// A routed target's rows give the same bits alone and batched with other sequences' rows, whatever
+// those share of its experts: a 16-row verification block alone, then beside a decode row and an
+// 8-row block (25 rows: the skinny products' batch-invariant range), each over its own cached prefix.
+TEST_F(CudaEngine, RoutedRowsAreBitIdenticalAloneAndInABatch) {
+  auto be = make_cuda_backend();
+  for (const char* name : {"qwen3_moe_tied", "qwen3_moe_untied_bf16"}) {
+    TargetModel m(*be, fixture(std::string("targets/") + name));
+    const int page = 16;
+    KvCache cache = m.alloc_cache(24, page);
+    std::vector<std::vector<int32_t>> tables(3, std::vector<int32_t>(8));
+    for (int s = 0; s < 3; ++s)
+      for (int i = 0; i < 8; ++i) tables[s][i] = s * 8 + i;
+    std::mt19937 rng(11);
+    auto random_tokens = [&](int n) {
+      std::vector<int32_t> t(static_cast<size_t>(n));
+      for (auto& x : t) x = static_cast<int32_t>(rng() % 256);
+      return t;
+    };
+    const int n_past[3] = {40, 57, 23};
+    for (int s = 0; s < 3; ++s) {  // the prefixes
+      ForwardBatch b(page);
+      b.add_sequence(random_tokens(n_past[s]), 0, tables[s]);
+      m.forward(b, cache);
+    }
+    const auto block = random_tokens(16), one = random_tokens(1), eight = random_tokens(8);
+    ForwardBatch alone(page);
+    alone.add_sequence(block, n_past[0], tables[0]);
+    for (int32_t r = 0; r < 16; ++r) alone.logit_rows.push_back(r);
+    const auto want = be->to_host(m.forward(alone, cache).logits);
+    ForwardBatch mixed(page);
+    mixed.add_sequence(one, n_past[1], tables[1]);
+    const int32_t first = mixed.add_sequence(block, n_past[0], tables[0]);
+    mixed.add_sequence(eight, n_past[2], tables[2]);
+    for (int32_t r = 0; r < 16; ++r) mixed.logit_rows.push_back(first + r);
+    const auto got = be->to_host(m.forward(mixed, cache).logits);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << name << ": element " << i;
+  }
+}
+
 EngineOptions bundled_pair_on_gpu() {
   EngineOptions eo;
   eo.device = "cuda";

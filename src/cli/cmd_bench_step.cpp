@@ -36,6 +36,13 @@ nlohmann::json to_json(const StepBenchReport& rep, const StepBenchOptions& o) {
                     {"leak_check_growth_bytes", rep.leak_check_growth_bytes}});
     if (!r.routed_experts.empty()) rows.back()["routed_experts_per_layer"] = r.routed_experts;
   }
+  for (const auto& p : rep.prefills) {
+    rows.push_back({{"device", rep.device}, {"model", rep.model}, {"draft", rep.draft}, {"mode", "prefill"},
+                    {"batch", p.batch}, {"prompt", p.prompt}, {"steps", p.steps}, {"ms", p.ms},
+                    {"tokens_per_s", p.tokens_per_s}, {"tflop", p.tflop}, {"fraction_of_matmul", p.fraction_of_matmul},
+                    {"matmul_tflops", rep.matmul_tflops}, {"max_tokens_per_step", o.max_tokens_per_step},
+                    {"page_size", o.page_size}});
+  }
   return rows;
 }
 
@@ -69,6 +76,12 @@ Command add_bench_step(CLI::App& app) {
   app.add_option("--warmup", o->warmup, "untimed steps before each row")->check(CLI::Range(0, 100000));
   app.add_option("--leak-check-steps", o->leak_check_steps, "plain steps watched for device-memory growth (0: skip)")
       ->check(CLI::Range(0, 1000000));
+  app.add_option("--prefill", o->prefills, "prompt lengths to time whole prefills of, comma-separated")
+      ->delimiter(',');
+  app.add_option("--prefill-batch", o->prefill_batches, "prompts prefilled together, comma-separated")
+      ->delimiter(',');
+  app.add_option("--max-tokens-per-step", o->max_tokens_per_step, "rows per prefill step (the server's chunking)")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--json", *json_path, "write the rows as a JSON list to this file");
   app.add_flag("!--skip-kernels", o->kernels, "do not time the GEMMs and the decode attention alone");
   app.add_flag("--batch-invariant", o->batch_invariant,
@@ -103,6 +116,16 @@ Command add_bench_step(CLI::App& app) {
                   r.context, r.ms_per_step, r.ms_per_step_eager, r.floor_ms, r.gb_per_s, r.fraction_of_floor,
                   r.device_bytes_other >= 0 ? r.device_bytes_other / 1048576.0 : -1.0, r.ms_per_step_restaged,
                   r.restage_us, moe ? "  " : "", moe ? routed_summary(r.routed_experts).c_str() : "");
+    }
+    if (!rep.prefills.empty()) {
+      std::printf("prefill: measured product rate %.3f TFLOP/s; TFLOP counts the target's\n"
+                  "products and attention, not the draft's context projection\n", rep.matmul_tflops);
+      std::printf("%-7s %6s %8s %6s %10s %12s %8s %9s\n", "mode", "batch", "prompt", "steps", "ms", "tokens/s",
+                  "TFLOP", "fraction");
+      for (const auto& p : rep.prefills) {
+        std::printf("%-7s %6d %8d %6d %10.2f %12.0f %8.4f %9.3f\n", "prefill", p.batch, p.prompt, p.steps, p.ms,
+                    p.tokens_per_s, p.tflop, p.fraction_of_matmul);
+      }
     }
     if (rep.leak_check_growth_bytes >= 0) {
       std::printf("device memory growth over %d plain steps: %lld bytes\n", o->leak_check_steps,

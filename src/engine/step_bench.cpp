@@ -139,6 +139,34 @@ void bench_kernels(Backend& be, TargetModel& target, int page_size, StepBenchRep
   }
 }
 
+// The product rate the device reaches on a large product (TFLOP/s): 8192 x 8192 x 4096 (a CPU:
+// 512 x 512 x 512).
+double matmul_tflops(Backend& be) {
+  const bool cpu = be.name() == "cpu";
+  const int64_t m = cpu ? 512 : 8192, n = cpu ? 512 : 8192, k = cpu ? 512 : 4096;
+  Tensor x = be.alloc(m, k), w = be.alloc(n, k), out = be.alloc(m, n);
+  be.fill_random(x, 21, 1.0f);
+  be.fill_random(w, 22, 0.02f);
+  const double ms = time_median_ms(be, 2, 10, [&] { be.matmul(x, w, nullptr, out); });
+  return 2.0 * m * n * k / (ms * 1e-3) / 1e12;
+}
+
+// Floating-point work of prefilling `prompt` tokens of one sequence on the target: every product a
+// token's row goes through (of a routed layer: its router and top_k experts; logits of the last
+// row only) and causal attention (q.k and p.v over the keys at or before each row).
+double prefill_flop(const TargetModel& t, int64_t prompt) {
+  const ModelConfig& c = t.config();
+  const int64_t h = c.n_embd, q = int64_t{c.n_heads} * c.head_dim, kv = int64_t{c.n_kv_heads} * c.head_dim;
+  double per_token = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    per_token += static_cast<double>(h) * (q + 2 * kv) + static_cast<double>(q) * h;
+    per_token += c.is_moe_layer(l) ? static_cast<double>(h) * (c.moe.n_experts + 3.0 * c.moe.top_k * c.moe.n_ff)
+                                   : 3.0 * h * c.n_ff;
+  }
+  const double attention = 2.0 * 2.0 * q * c.n_layers * (static_cast<double>(prompt) * (prompt + 1) / 2);
+  return 2.0 * per_token * prompt + attention + 2.0 * static_cast<double>(h) * c.n_vocab;
+}
+
 }  // namespace
 
 StepBenchReport run_step_bench(const StepBenchOptions& o) {
@@ -278,6 +306,61 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
                                 kv_read_bytes(draft->config().layers, ctx + B, kv_dtype));
               },
               dflash, B);
+    }
+  }
+
+  if (!o.prefills.empty()) {
+    rep.matmul_tflops = matmul_tflops(dev);
+    for (int prompt : o.prefills) {
+      for (int batch : o.prefill_batches) {
+        dev.release_cached_memory();
+        Batch bt(batch, prompt + 1, o.page_size);
+        StepCaches caches;
+        caches.target = target.alloc_cache(bt.n_pages(), o.page_size);
+        if (draft) caches.draft = draft->alloc_cache(bt.n_pages(), o.page_size);
+        StepRunner runner(m, caches, /*speculative=*/draft != nullptr, SpecSampling::Match, /*graphs=*/false);
+        std::vector<Sequence> seqs(static_cast<size_t>(batch));
+        int steps = 0;
+        // The whole prefill of every prompt, chunked as the scheduler does: earlier sequences first,
+        // at most max_tokens_per_step rows a step.
+        auto prefill_all = [&] {
+          for (int b = 0; b < batch; ++b) {
+            Sequence& s = seqs[static_cast<size_t>(b)];
+            s = Sequence{};
+            s.tokens.resize(static_cast<size_t>(prompt));
+            for (int i = 0; i < prompt; ++i) s.tokens[static_cast<size_t>(i)] = (7 * i + 13 * b + 3) % tc.n_vocab;
+            s.n_prompt = prompt;
+            s.pages = bt.tables[static_cast<size_t>(b)];
+            s.max_tokens = 1;
+          }
+          steps = 0;
+          for (size_t next = 0; next < seqs.size();) {
+            StepPlan plan;
+            int room = o.max_tokens_per_step;
+            for (size_t b = next; b < seqs.size() && room > 0; ++b) {
+              Sequence& s = seqs[b];
+              const int n = std::min(room, s.n_prompt - s.n_cached);
+              plan.prefills.push_back({&s, n});
+              room -= n;
+            }
+            Step st = runner.prepare(plan);
+            runner.execute(st);
+            StepCounters counters;
+            runner.postprocess(st, counters);
+            ++steps;
+            while (next < seqs.size() && seqs[next].n_cached == seqs[next].n_prompt) ++next;
+          }
+        };
+        PrefillBenchRow r;
+        r.batch = batch;
+        r.prompt = prompt;
+        r.ms = time_median_ms(dev, 1, std::max(3, std::min(o.iters, 10)), prefill_all);
+        r.steps = steps;
+        r.tokens_per_s = static_cast<double>(batch) * prompt / (r.ms * 1e-3);
+        r.tflop = batch * prefill_flop(target, prompt) / 1e12;
+        r.fraction_of_matmul = r.tflop / (r.ms * 1e-3) / rep.matmul_tflops;
+        rep.prefills.push_back(r);
+      }
     }
   }
 

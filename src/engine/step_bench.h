@@ -2,7 +2,8 @@
 // step and a DFlash step (draft block + verification + context projection) for
 // `batch` sequences with `context` cached tokens each, and compares each with
 // its floor: the bytes of weights and KV the step must read over the measured
-// copy bandwidth (of a routed target's experts, those its rows went to). Used by
+// copy bandwidth (of a routed target's experts, those its rows went to); and
+// prefills of whole prompts against the measured matrix-product rate. Used by
 // `dflash bench-step`.
 #pragma once
 
@@ -22,6 +23,18 @@ struct StepBenchOptions {
   int leak_check_steps = 1000;  // plain batch-1 steps watched for device-memory growth (0: skip)
   bool kernels = true;          // also time the target's GEMMs and decode attention alone
   bool batch_invariant = false; // the backend's batch-invariant mode (EngineOptions::batch_invariant)
+  // Prefill rows: `prefill_batches` prompts of each length in `prefills` (none: no prefill rows),
+  // in steps of at most max_tokens_per_step rows, as the server chunks them.
+  std::vector<int> prefills, prefill_batches{1, 4};
+  int max_tokens_per_step = 2048;
+};
+
+// A prompt (or several) prefilled as the decode loop runs it: whole prompt, all its steps.
+struct PrefillBenchRow {
+  int batch = 0, prompt = 0, steps = 0;
+  double ms = 0, tokens_per_s = 0;
+  double tflop = 0;                // the target's products and attention (the draft's projection not counted)
+  double fraction_of_matmul = 0;   // tflop / ms against the measured bf16 product rate
 };
 
 struct StepBenchRow {
@@ -57,6 +70,8 @@ struct StepBenchReport {
   int64_t leak_check_growth_bytes = -1;  // device memory growth over leak_check_steps steps
   std::vector<StepBenchRow> rows;
   std::vector<KernelBenchRow> kernels;
+  double matmul_tflops = 0;          // measured bf16 product rate (prefill rows only)
+  std::vector<PrefillBenchRow> prefills;
 };
 
 StepBenchReport run_step_bench(const StepBenchOptions& opts);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <utility>
@@ -717,6 +718,86 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
                                   std::to_string(c.head_dim) + "_page" + std::to_string(c.page_size) + "_window" +
                                   std::to_string(c.window);
                          });
+
+// The routed MLP against the CPU backend, per token where the router's k-th and (k+1)-th logits
+// are far enough apart that bf16 logits (the GPU's) choose the same experts; rows bit-identical
+// alone, in a 3-row batch and in the whole batch; a graph replay gives the direct call's bits.
+TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
+  struct Case {
+    int m, h, n_experts, top_k, ff;
+    bool norm;
+  };
+  for (const Case c : {Case{1, 64, 8, 2, 48, true}, Case{13, 48, 6, 3, 40, false}, Case{40, 64, 8, 2, 48, true},
+                       Case{1, 2048, 128, 8, 768, true}, Case{16, 2048, 128, 8, 768, true},
+                       Case{130, 2048, 128, 8, 768, false}}) {
+    const std::string what = std::to_string(c.m) + " rows, top " + std::to_string(c.top_k) + " of " +
+                             std::to_string(c.n_experts) + ", h " + std::to_string(c.h);
+    const float router_scale = 6.0f / std::sqrt(static_cast<float>(c.h));
+    auto x = random(c.m, c.h), router = random(c.n_experts, c.h, router_scale);
+    auto gate_up = random(int64_t{c.n_experts} * 2 * c.ff, c.h, 1.7f / std::sqrt(static_cast<float>(c.h)));
+    auto down = random(int64_t{c.n_experts} * c.h, c.ff, 1.7f / std::sqrt(static_cast<float>(c.ff)));
+    auto weights = [&](bool on_gpu) {
+      MoeWeights w;
+      w.n_experts = c.n_experts;
+      w.top_k = c.top_k;
+      w.n_ff = c.ff;
+      w.norm_topk_prob = c.norm;
+      w.router = on_gpu ? router.g : router.c;
+      w.gate_up = on_gpu ? gate_up.g : gate_up.c;
+      w.down = on_gpu ? down.g : down.c;
+      return w;
+    };
+    const MoeWeights wg = weights(true), wc = weights(false);
+    auto out = poisoned(c.m, c.h);
+    Tensor counts_g = gpu->alloc_ids(c.n_experts), counts_c = cpu->alloc_ids(c.n_experts);
+    gpu->moe(x.g, wg, out.g, &counts_g);
+    cpu->moe(x.c, wc, out.c, &counts_c);
+
+    // Tokens whose top_k is decided by a margin of at least 0.05 in the logits.
+    Tensor logits = cpu->alloc(c.m, c.n_experts);
+    cpu->matmul(x.c, router.c, nullptr, logits);
+    const auto lh = cpu->to_host(logits), gh = gpu->to_host(out.g), ch = cpu->to_host(out.c);
+    int safe = 0;
+    bool all_safe = true;
+    for (int r = 0; r < c.m; ++r) {
+      std::vector<float> l(lh.begin() + int64_t{r} * c.n_experts, lh.begin() + int64_t{r + 1} * c.n_experts);
+      std::sort(l.begin(), l.end(), std::greater<float>());
+      if (c.top_k < c.n_experts && l[c.top_k - 1] - l[c.top_k] < 0.05f) {
+        all_safe = false;
+        continue;
+      }
+      ++safe;
+      const std::vector<float> g(gh.begin() + int64_t{r} * c.h, gh.begin() + int64_t{r + 1} * c.h);
+      const std::vector<float> cc(ch.begin() + int64_t{r} * c.h, ch.begin() + int64_t{r + 1} * c.h);
+      EXPECT_LE(test::rel_l2_error(g, cc), kBound) << what << ", row " << r;
+    }
+    EXPECT_GE(safe, (c.m + 1) / 2) << what << ": too few rows with a clear routing to compare";
+    if (all_safe) {
+      EXPECT_EQ(gpu->ids_to_host(counts_g), cpu->ids_to_host(counts_c)) << what;
+    }
+    const auto counts = gpu->ids_to_host(counts_g);
+    EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), 0), c.m * c.top_k) << what;
+
+    // Batch invariance: the first, middle and last rows alone and in a 3-row batch.
+    for (int r : {0, c.m / 2, c.m - 1}) {
+      Tensor one = gpu->alloc(1, c.h);
+      gpu->moe(x.g.slice_rows(r, 1), wg, one);
+      ASSERT_EQ(gpu->to_host(one), gpu->to_host(out.g.slice_rows(r, 1))) << what << ": row " << r << " alone";
+      if (c.m >= 3) {
+        const int r0 = std::min(r, c.m - 3);
+        Tensor three = gpu->alloc(3, c.h);
+        gpu->moe(x.g.slice_rows(r0, 3), wg, three);
+        ASSERT_EQ(gpu->to_host(three), gpu->to_host(out.g.slice_rows(r0, 3))) << what << ": rows " << r0 << "+3";
+      }
+    }
+
+    // A graph replay: the direct call's bits.
+    Tensor replayed = gpu->alloc(c.m, c.h);
+    auto graph = gpu->capture_graph([&] { gpu->moe(x.g, wg, replayed); });
+    gpu->replay_graph(graph);
+    EXPECT_EQ(gpu->to_host(replayed), gpu->to_host(out.g)) << what << ": graph replay";
+  }
+}
 
 }  // namespace
 }  // namespace dflash

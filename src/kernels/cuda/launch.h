@@ -119,6 +119,37 @@ void launch_skinny_gemm_groups(const Mat& x, const Mat& w, int count, int64_t gr
 // kept in float32 (launch_skinny_gemm followed by launch_swiglu rounds them to bf16 first).
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s);
 
+// The rows of a routed (mixture-of-experts) product, as launch_moe_route lays them out: block
+// row y of the launch is work item y of *n_items, an expert and up to a tile of its pairs (pair
+// p = token * top_k + j, the token's j-th expert in increasing index).
+struct RoutedRows {
+  const int32_t* items = nullptr;    // per item: expert, first index into pairs, pair count
+  const int32_t* n_items = nullptr;
+  const int32_t* pairs = nullptr;    // pair indices grouped by expert
+  int x_div = 1;                     // pair p reads input row p / x_div and writes output row p
+  int64_t w_step = 0;                // elements from one expert's weight to the next
+};
+// out[p] = x[p / x_div] * w_e^T (with swiglu: silu(gate) * up of w_e = [gate; up], out.cols
+// features) for every pair p routed to expert e, w_e = w + e * w_step: each item streams its
+// expert's weights once for up to `tile_rows` (8, 16 or 32) pairs. Reduction order as
+// launch_skinny_gemm's: a pair's result never depends on the others. `max_items` (the grid)
+// bounds *n_items.
+void launch_skinny_gemm_routed(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu,
+                               int tile_rows, int max_items, int n_sms, cudaStream_t s);
+
+// The routing of a mixture-of-experts layer from its router logits [M, E] (bf16): per token, p =
+// softmax in float32, the top_k experts (larger p first, the lower index on ties), weights p
+// (divided by their sum with norm); pair token * top_k + j takes the token's j-th chosen expert
+// in increasing index: expert_of_pair, weight_of_pair. Then the pairs grouped by expert (pairs),
+// their work items of up to tile_rows pairs (items, n_items: see RoutedRows) and expert_rows[e] =
+// pairs of expert e. One block; E <= kMoeMaxExperts, top_k <= 32.
+constexpr int kMoeMaxExperts = 1024;
+void launch_moe_route(const Mat& logits, int top_k, bool norm, int tile_rows, int32_t* expert_of_pair,
+                      float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* expert_rows,
+                      cudaStream_t s);
+// out[t] = sum over j of weight_of_pair[t * top_k + j] * y[t * top_k + j], in j order, in float32.
+void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s);
+
 // A normalizing product's input rows: rmsnorm(residual + delta) * weight, and block 0 stores
 // residual + delta to residual_out (not residual: the other blocks read it); without delta,
 // rmsnorm(residual) * weight. The rows are as wide as the weight's columns.

@@ -90,13 +90,15 @@ constexpr int64_t norm_row_elems(int64_t k) { return k + 8; }
 // weights are requested before waiting on the previous kernel (they need nothing from it).
 // kNorm: x is unused; the rows come from `norm` (see RowNorm), K == the rows' width, and R is
 // the residual stream's element type (float or bf16).
-template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kWide = false>
+// kRouted: block row y is routed.items' work item y (RoutedRows): an expert's weights and up to
+// 8 * MT of its pairs, read from and written to the pairs' rows; blocks past the items exit.
+template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kWide = false, bool kRouted = false>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
                                                                   bf16* __restrict__ out, int64_t out_stride,
                                                                   RowNorm norm, int64_t w_group_step,
-                                                                  int out_group_cols) {
+                                                                  int out_group_cols, RoutedRows routed) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
   constexpr int S = kStages<MT, RT, kNorm, kWide>;
@@ -108,6 +110,20 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   // Row groups (launch_skinny_gemm_groups): blockIdx.y is the group, N its rows.
   w += blockIdx.y * w_group_step;
   out += blockIdx.y * out_group_cols;
+  // Routed rows: which expert and pairs come from the routing kernel before this one, so the
+  // weights cannot be requested before the wait.
+  const int32_t* pairs = nullptr;
+  if constexpr (kRouted) {
+    pdl_begin();
+    if (static_cast<int>(blockIdx.y) >= *routed.n_items) return;
+    const int32_t* item = routed.items + 3 * blockIdx.y;
+    w += item[0] * routed.w_step;
+    pairs = routed.pairs + item[1];
+    M = item[2];
+  }
+  // Token t's input row and output row.
+  auto x_row = [&](int t) -> int64_t { return kRouted ? pairs[t] / routed.x_div : t; };
+  auto out_row = [&](int t) -> int64_t { return kRouted ? pairs[t] : t; };
   St* ring = reinterpret_cast<St*>(smem_raw) + warp * S;
   bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide>());  // kNorm: [M][norm_row_elems(K)]
 
@@ -140,7 +156,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       for (int mt = 0; mt < MT; ++mt) {
         const int t = mt * 8 + g;
         const bool ok = t < M && k < K;
-        cp_async16(&st.x[mt][g][q], ok ? x + t * x_stride + k : x, ok);
+        cp_async16(&st.x[mt][g][q], ok ? x + x_row(t) * x_stride + k : x, ok);
       }
     }
   };
@@ -149,7 +165,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     issue_w(i);
     cp_async_commit();
   }
-  pdl_begin();
+  if constexpr (!kRouted) pdl_begin();
   if constexpr (kNorm) {
     // The weights above are on their way while the rows are normalized.
     const int64_t rs = norm_row_elems(K);
@@ -246,7 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       if (bias) up += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[N + feature]);
       sum = sum / (1.0f + expf(-sum)) * up;  // float32 gate and up, rounded once below
     }
-    reinterpret_cast<__nv_bfloat16*>(out)[token * out_stride + feature] = __float2bfloat16(sum);
+    reinterpret_cast<__nv_bfloat16*>(out)[out_row(token) * out_stride + feature] = __float2bfloat16(sum);
   }
 }
 
@@ -275,11 +291,12 @@ struct Groups {
   int out_cols = 0;
 };
 
-template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16, bool kWide = false>
+template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16, bool kWide = false,
+          bool kRouted = false>
 void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s,
-                  Groups groups = {}) {
+                  Groups groups = {}, const RoutedRows& routed = {}) {
   static const bool configured = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>,
+    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kWide ? kWideBlockSmem : kMaxBlockSmem)));
     return true;
@@ -291,10 +308,10 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   static_assert(!(kWide && kNorm), "the normalizing form has no wide blocks");
   const size_t smem =
       kWide ? smem_bytes<MT, RT, false, true>() : launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols);
-  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide>, dim3(blocks, groups.count), kWarps * 32, smem, s,
-              x.data, x.stride,
+  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>, dim3(blocks, groups.count), kWarps * 32,
+              smem, s, x.data, x.stride,
               static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
-              out.data, out.stride, norm, groups.w_step, groups.out_cols);
+              out.data, out.stride, norm, groups.w_step, groups.out_cols, routed);
 }
 
 template <int RT, bool kSwiglu = false, bool kWide = false>
@@ -396,6 +413,27 @@ void launch_skinny_gemm_norm(const RowNorm& n, int64_t rows, const Mat& w, const
                              int n_sms, cudaStream_t s) {
   if (n.f32) launch_norm_as<float>(n, rows, w, bias, out, swiglu, n_sms, s);
   else launch_norm_as<bf16>(n, rows, w, bias, out, swiglu, n_sms, s);
+}
+
+namespace {
+template <int RT, bool kSwiglu>
+void launch_routed_rt(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, int tile_rows, int max_items,
+                      cudaStream_t s) {
+  const RowNorm none{};
+  const Groups items{static_cast<unsigned>(max_items), 0, 0};
+  switch (tile_rows / 8) {
+    case 1: return launch_tiles<1, RT, kSwiglu, false, bf16, false, true>(x, w, nullptr, out, none, s, items, routed);
+    case 2: return launch_tiles<2, RT, kSwiglu, false, bf16, false, true>(x, w, nullptr, out, none, s, items, routed);
+    default: return launch_tiles<4, RT, kSwiglu, false, bf16, false, true>(x, w, nullptr, out, none, s, items, routed);
+  }
+}
+}  // namespace
+
+void launch_skinny_gemm_routed(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu,
+                               int tile_rows, int max_items, int n_sms, cudaStream_t s) {
+  if (swiglu) launch_routed_rt<2, true>(x, w, out, routed, tile_rows, max_items, s);
+  else if (two_row_tiles(w, n_sms)) launch_routed_rt<2, false>(x, w, out, routed, tile_rows, max_items, s);
+  else launch_routed_rt<1, false>(x, w, out, routed, tile_rows, max_items, s);
 }
 
 }  // namespace dflash::cuda

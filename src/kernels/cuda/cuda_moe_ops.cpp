@@ -1,0 +1,60 @@
+// The routed MLP of a mixture-of-experts layer on the GPU: the router product, the routing
+// (moe.cu), each touched expert's gate/up (SwiGLU) and down products streaming its weights once for
+// its pairs (launch_skinny_gemm_routed), and the weighted sum per token. No host round trip, fixed
+// launch shapes: capturable in a graph.
+#include <algorithm>
+
+#include "kernels/cuda/cuda_backend.h"
+
+namespace dflash::cuda {
+
+void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows) {
+  check_moe(x, w, out, expert_rows);
+  require_bf16(x, "moe input");
+  require_bf16(w.router, "moe router");
+  require_bf16(w.gate_up, "moe gate_up");
+  require_bf16(w.down, "moe down");
+  check(w.n_experts <= kMoeMaxExperts && w.top_k <= 32, "cuda backend: moe supports up to ", kMoeMaxExperts,
+        " experts and top_k 32, got ", w.n_experts, " and ", w.top_k);
+  check(x.cols % 8 == 0 && w.n_ff % 8 == 0 && x.stride % 8 == 0 && out.stride % 8 == 0, "cuda backend: moe needs ",
+        "hidden and expert sizes that are multiples of 8");
+  check(!expert_rows || expert_rows->stride == 1, "cuda backend: expert_rows must be contiguous");
+  const int64_t m = x.rows, pairs = m * w.top_k, h = x.cols, ff = w.n_ff;
+  if (m == 0) return;
+
+  Tensor logits = alloc(m, w.n_experts);
+  matmul(x, w.router, nullptr, logits);
+  // A token takes an expert at most once, so an expert has at most m pairs: the tile needs no
+  // more rows than that.
+  const int tile = m <= 8 ? 8 : m <= 16 ? 16 : 32;
+  const int max_items = static_cast<int>(std::min<int64_t>(w.n_experts, pairs) + (pairs + tile - 1) / tile);
+  Tensor expert_of_pair = alloc_as(pairs, 1, DType::I32), weight_of_pair = alloc_as(pairs, 1, DType::F32);
+  Tensor pair_list = alloc_as(pairs, 1, DType::I32), items = alloc_as(max_items, 3, DType::I32);
+  Tensor n_items = alloc_as(1, 1, DType::I32);
+  Tensor counts = expert_rows ? *expert_rows : alloc_as(w.n_experts, 1, DType::I32);
+  auto i32 = [](const Tensor& t) { return static_cast<int32_t*>(t.data); };
+  staging_.launch([&](cudaStream_t s) {
+    launch_moe_route(mat(logits), w.top_k, w.norm_topk_prob, tile, i32(expert_of_pair),
+                     static_cast<float*>(weight_of_pair.data), i32(pair_list), i32(items), i32(n_items), i32(counts), s);
+  });
+
+  Tensor act = alloc(pairs, ff), y = alloc(pairs, h);
+  RoutedRows rows{i32(items), i32(n_items), i32(pair_list), w.top_k, 2 * ff * w.gate_up.stride};
+  const Mat gate_up{static_cast<bf16*>(w.gate_up.data), 2 * ff, h, w.gate_up.stride};  // expert 0's
+  staging_.launch([&](cudaStream_t s) {
+    launch_skinny_gemm_routed(mat(x), gate_up, mat(act), rows, /*swiglu=*/true, tile, max_items,
+                              props_.multiProcessorCount, s);
+  });
+  rows.x_div = 1;
+  rows.w_step = h * w.down.stride;
+  const Mat down{static_cast<bf16*>(w.down.data), h, ff, w.down.stride};
+  staging_.launch([&](cudaStream_t s) {
+    launch_skinny_gemm_routed(mat(act), down, mat(y), rows, /*swiglu=*/false, tile, max_items,
+                              props_.multiProcessorCount, s);
+  });
+  staging_.launch([&](cudaStream_t s) {
+    launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);
+  });
+}
+
+}  // namespace dflash::cuda

@@ -1,0 +1,169 @@
+// Mixture-of-experts routing and combine (Backend::moe): the router's top-k per token, the
+// token/expert pairs grouped by expert into the work items of the routed products
+// (launch_skinny_gemm_routed), and the weighted sum of each token's expert outputs.
+//
+// Within an expert the order of its pairs is whatever the atomics give: a pair's product never
+// depends on the other pairs of its tile (skinny_gemm.cu's reduction order), and each pair
+// writes its own output row, so results do not depend on it.
+#include <cuda_bf16.h>
+
+#include <cfloat>
+
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
+
+namespace dflash::cuda {
+namespace {
+
+constexpr int kRouteThreads = 1024;
+constexpr int kMaxTopK = 32;
+constexpr int kPerLane = kMoeMaxExperts / 32;  // experts a lane looks after
+
+// The better of two candidates: larger probability, else the lower expert index.
+__device__ __forceinline__ bool better(float p, int e, float q, int f) { return p > q || (p == q && e < f); }
+
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const bf16* __restrict__ logits, int64_t stride,
+                                                                  int M, int E, int top_k, bool norm, int tile_rows,
+                                                                  int32_t* __restrict__ expert_of_pair,
+                                                                  float* __restrict__ weight_of_pair,
+                                                                  int32_t* __restrict__ pairs,
+                                                                  int32_t* __restrict__ items,
+                                                                  int32_t* __restrict__ n_items,
+                                                                  int32_t* __restrict__ expert_rows) {
+  __shared__ int count[kMoeMaxExperts], first[kMoeMaxExperts], first_item[kMoeMaxExperts];
+  pdl_begin();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+
+  // A warp per token: softmax in float32, then top_k rounds of a warp-wide best untaken expert.
+  for (int t = warp; t < M; t += n_warps) {
+    const bf16* row = logits + t * stride;
+    float p[kPerLane];
+    float m = -FLT_MAX;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + 32 * i;
+      p[i] = e < E ? ld(row + e) : -FLT_MAX;
+      m = fmaxf(m, p[i]);
+    }
+    m = warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + 32 * i;
+      p[i] = e < E ? expf(p[i] - m) : 0.0f;
+      sum += p[i];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) p[i] = lane + 32 * i < E ? p[i] / sum : -1.0f;  // -1: no expert
+
+    int chosen_e[kMaxTopK];
+    float chosen_p[kMaxTopK];
+    uint32_t taken = 0;  // bit i: this lane's expert lane + 32 i is chosen
+    float top_sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      float bp = -2.0f;
+      int be = INT32_MAX;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int e = lane + 32 * i;
+        if (!(taken >> i & 1) && p[i] >= 0.0f && better(p[i], e, bp, be)) bp = p[i], be = e;
+      }
+      for (int o = 16; o > 0; o /= 2) {
+        const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+        if (better(op, oe, bp, be)) bp = op, be = oe;
+      }
+      if (be % 32 == lane) taken |= 1u << (be / 32);
+      chosen_e[j] = be;
+      chosen_p[j] = bp;
+      top_sum += bp;  // in rank order
+    }
+    if (lane == 0) {
+      // Increasing expert index: the order of the pairs, and of the sum in the combine.
+      for (int j = 1; j < top_k; ++j)
+        for (int i = j; i > 0 && chosen_e[i - 1] > chosen_e[i]; --i) {
+          const int e = chosen_e[i];
+          chosen_e[i] = chosen_e[i - 1], chosen_e[i - 1] = e;
+          const float q = chosen_p[i];
+          chosen_p[i] = chosen_p[i - 1], chosen_p[i - 1] = q;
+        }
+      for (int j = 0; j < top_k; ++j) {
+        expert_of_pair[t * top_k + j] = chosen_e[j];
+        weight_of_pair[t * top_k + j] = norm ? chosen_p[j] / top_sum : chosen_p[j];
+        atomicAdd(&count[chosen_e[j]], 1);
+      }
+    }
+  }
+  __syncthreads();
+
+  // Where each expert's pairs and work items begin (one thread: at most kMoeMaxExperts steps).
+  if (threadIdx.x == 0) {
+    int pair = 0, item = 0;
+    for (int e = 0; e < E; ++e) {
+      first[e] = pair;
+      first_item[e] = item;
+      pair += count[e];
+      item += (count[e] + tile_rows - 1) / tile_rows;
+    }
+    *n_items = item;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    if (expert_rows) expert_rows[e] = count[e];
+    for (int c = 0; c * tile_rows < count[e]; ++c) {
+      int32_t* it = items + 3 * (first_item[e] + c);
+      it[0] = e;
+      it[1] = first[e] + c * tile_rows;
+      it[2] = min(tile_rows, count[e] - c * tile_rows);
+    }
+  }
+  __syncthreads();  // count[] becomes each expert's cursor below
+  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = first[e];
+  __syncthreads();
+  for (int p = threadIdx.x; p < M * top_k; p += blockDim.x) pairs[atomicAdd(&count[expert_of_pair[p]], 1)] = p;
+}
+
+// Two columns a thread: out[t][c] = sum_j weight[t, j] * y[t * top_k + j][c], j ascending.
+constexpr int kCombineThreads = 256;
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16* __restrict__ y, int64_t y_stride,
+                                                                      const float* __restrict__ weight_of_pair,
+                                                                      int top_k, int64_t cols, bf16* __restrict__ out,
+                                                                      int64_t out_stride) {
+  pdl_begin();
+  const int t = blockIdx.y;
+  const int64_t c = 2 * (int64_t{blockIdx.x} * kCombineThreads + threadIdx.x);
+  if (c >= cols) return;
+  float a = 0.0f, b = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    const int64_t pair = int64_t{t} * top_k + j;
+    const float w = weight_of_pair[pair];
+    const bf16* yr = y + pair * y_stride + c;
+    a += w * ld(yr);
+    if (c + 1 < cols) b += w * ld(yr + 1);
+  }
+  auto* o = reinterpret_cast<__nv_bfloat16*>(out + t * out_stride + c);
+  o[0] = __float2bfloat16(a);
+  if (c + 1 < cols) o[1] = __float2bfloat16(b);
+}
+
+}  // namespace
+
+void launch_moe_route(const Mat& logits, int top_k, bool norm, int tile_rows, int32_t* expert_of_pair,
+                      float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* expert_rows,
+                      cudaStream_t s) {
+  launch(moe_route_kernel, dim3(1), dim3(kRouteThreads), s, logits.data, logits.stride, static_cast<int>(logits.rows),
+         static_cast<int>(logits.cols), top_k, norm, tile_rows, expert_of_pair, weight_of_pair, pairs, items, n_items,
+         expert_rows);
+}
+
+void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s) {
+  const unsigned col_blocks = static_cast<unsigned>((out.cols + 2 * kCombineThreads - 1) / (2 * kCombineThreads));
+  launch(moe_combine_kernel, dim3(col_blocks, static_cast<unsigned>(out.rows)), dim3(kCombineThreads), s, y.data,
+         y.stride, weight_of_pair, top_k, out.cols, out.data, out.stride);
+}
+
+}  // namespace dflash::cuda

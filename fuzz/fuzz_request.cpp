@@ -57,8 +57,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (id < 0 || id >= s.tok->vocab_size()) __builtin_trap();
     }
     if (r.max_tokens <= 0 || n + r.max_tokens > s.ctx.max_positions) __builtin_trap();
-    if (r.stop.size() > 16 || (r.include_usage && !r.stream)) __builtin_trap();
-    for (const auto& stop : r.stop) {
+    if (r.output.stop.size() > 16 || (r.include_usage && !r.stream)) __builtin_trap();
+    for (const auto& stop : r.output.stop) {
       if (stop.empty()) __builtin_trap();
     }
     if (!(r.sampling.temperature >= 0 && r.sampling.temperature <= 2)) __builtin_trap();

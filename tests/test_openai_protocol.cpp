@@ -17,6 +17,8 @@
 #include "formats/chat_template.h"
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
+#include "server/reasoning.h"
+#include "server/tool_calls.h"
 #include "tokenizer/tokenizer.h"
 
 namespace dflash::server {
@@ -293,6 +295,295 @@ TEST_F(Server, DeepNestingAndUnknownRolesAre400sAndTheServerGoesOn) {
   auto ok = post({{"prompt", "hi"}});
   ASSERT_TRUE(ok);
   EXPECT_EQ(ok->status, 200);
+}
+
+}  // namespace
+}  // namespace dflash::server
+
+namespace dflash::server {
+namespace {
+
+// Every split of the output (one piece, or one character at a time) gives the same result.
+template <typename Parser, typename Out, typename Merge>
+Out feed(Parser& p, const std::string& text, size_t piece, Merge merge) {
+  Out all;
+  for (size_t i = 0; i < text.size(); i += piece) merge(all, p.push(std::string_view(text).substr(i, piece)));
+  merge(all, p.finish());
+  return all;
+}
+
+ReasoningSplitter::Split split(const std::string& text, bool open, size_t piece) {
+  ReasoningSplitter r(open);
+  return feed<ReasoningSplitter, ReasoningSplitter::Split>(r, text, piece, [](auto& a, const auto& b) {
+    a.reasoning += b.reasoning;
+    a.content += b.content;
+  });
+}
+
+TEST(Reasoning, ThinkBlocksBecomeReasoningStreamedOrNot) {
+  struct Case {
+    std::string text;
+    bool open;
+    std::string reasoning, content;
+  };
+  const std::vector<Case> cases = {
+      {"<think>\nLet me see.\n</think>\n\nThe answer is 4.", false, "Let me see.", "The answer is 4."},
+      {"Let me see.\n</think>\n\n4", true, "Let me see.", "4"},  // the prompt opened the block
+      {"No thinking here.", false, "", "No thinking here."},
+      {"  <thin", false, "", "  <thin"},                         // a partial tag at the end is content
+      {"<think>\n\n</think>\n\nHi", false, "", "Hi"},             // an empty block
+      {"<think>still thinking", false, "still thinking", ""},    // cut off inside the block
+      {"a <think> b", false, "", "a <think> b"},                 // only a leading block counts
+  };
+  for (const auto& c : cases) {
+    for (size_t piece : {size_t{1}, size_t{3}, c.text.size()}) {
+      const auto s = split(c.text, c.open, piece);
+      EXPECT_EQ(s.reasoning, c.reasoning) << c.text << " piece " << piece;
+      EXPECT_EQ(s.content, c.content) << c.text << " piece " << piece;
+    }
+  }
+  EXPECT_TRUE(prompt_opens_think("<|im_start|>assistant\n<think>\n"));
+  EXPECT_FALSE(prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+}
+
+const json kTools = json::parse(R"([
+  {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+  {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])");
+
+ToolCallParser::Output parse_calls(ToolCallFormat f, const std::string& text, size_t piece) {
+  ToolCallParser p(f, kTools);
+  return feed<ToolCallParser, ToolCallParser::Output>(p, text, piece, [](auto& a, const auto& b) {
+    a.content += b.content;
+    a.calls.insert(a.calls.end(), b.calls.begin(), b.calls.end());
+  });
+}
+
+TEST(ToolCalls, HermesCallsSeveralPerTurnStreamedOrNot) {
+  const std::string text =
+      "I will check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": [2, \"}\"]}}\n</tool_call>\n";
+  for (size_t piece : {size_t{1}, size_t{5}, text.size()}) {
+    const auto o = parse_calls(ToolCallFormat::Hermes, text, piece);
+    EXPECT_EQ(o.content, "I will check.") << piece;  // whitespace before a call is dropped
+    ASSERT_EQ(o.calls.size(), 2u) << piece;
+    EXPECT_EQ(o.calls[0].name, "get_weather");
+    EXPECT_EQ(json::parse(o.calls[0].arguments), json({{"city", "Paris"}}));
+    EXPECT_EQ(o.calls[1].name, "add");
+    EXPECT_EQ(json::parse(o.calls[1].arguments), json::parse(R"({"a": 1, "b": [2, "}"]})"));
+  }
+}
+
+TEST(ToolCalls, LookalikesStayContent) {
+  for (const std::string& text : {
+           std::string("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>"),  // bad JSON
+           std::string("<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>"),  // unknown function
+           std::string("<tool_call>\n{\"name\": \"add\", \"arguments\": [1]}\n</tool_call>"),   // not an object
+           std::string("<tool_call>\n{\"name\": \"add\", \"argum"),                             // cut off
+           std::string("Use <tool_ call> tags."),
+       }) {
+    for (size_t piece : {size_t{1}, text.size()}) {
+      const auto o = parse_calls(ToolCallFormat::Hermes, text, piece);
+      EXPECT_TRUE(o.calls.empty()) << text;
+      EXPECT_EQ(o.content, text) << text << " piece " << piece;
+    }
+  }
+}
+
+TEST(ToolCalls, QwenXmlBodiesAndLlamaJson) {
+  const std::string xml =
+      "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+      "</parameter>\n</function>\n</tool_call>";
+  const auto x = parse_calls(ToolCallFormat::Hermes, xml, 2);
+  ASSERT_EQ(x.calls.size(), 1u);
+  EXPECT_EQ(json::parse(x.calls[0].arguments), json({{"city", "New York"}, {"days", 3}}));
+  EXPECT_EQ(x.content, "");
+
+  const std::string llama = "{\"name\": \"add\", \"parameters\": {\"a\": 1}}; {\"name\": \"get_weather\", \"parameters\": {}}";
+  for (size_t piece : {size_t{1}, llama.size()}) {
+    const auto l = parse_calls(ToolCallFormat::Llama3Json, llama, piece);
+    ASSERT_EQ(l.calls.size(), 2u);
+    EXPECT_EQ(l.calls[0].name, "add");
+    EXPECT_EQ(json::parse(l.calls[0].arguments), json({{"a", 1}}));
+    EXPECT_EQ(l.calls[1].arguments, "{}");
+    EXPECT_EQ(l.content, "");
+  }
+  EXPECT_EQ(parse_calls(ToolCallFormat::Llama3Json, "{\"name\": \"nope\"}", 1).content, "{\"name\": \"nope\"}");
+  EXPECT_EQ(parse_calls(ToolCallFormat::Llama3Json, "Plain answer.", 1).content, "Plain answer.");
+  EXPECT_EQ(parse_tool_call_format("auto", "{{ '<|start_header_id|>' }}"), ToolCallFormat::Llama3Json);
+  EXPECT_EQ(parse_tool_call_format("auto", "<tool_call>"), ToolCallFormat::Hermes);
+}
+
+}  // namespace
+}  // namespace dflash::server
+
+namespace dflash::server {
+namespace {
+
+// Chat output as the Qwen3 template's model writes it: a think block, text, two tool calls.
+const std::string kAgentOutput =
+    "<think>\nThe user wants weather.\n</think>\n\nChecking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+    "{\"city\": \"Paris\", \"days\": 2}}\n</tool_call>\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n"
+    "</tool_call>";
+
+struct Agent : Server {
+  void script(const std::string& text, FinishReason end = FinishReason::Eos) {
+    const auto ids = Tokenizer(qwen3_dir()).encode(text);
+    engine.script.clear();
+    for (size_t i = 0; i < ids.size(); i += 3)  // a few tokens per event, as DFlash steps deliver them
+      engine.script.push_back({0, tokens({ids.begin() + i, ids.begin() + std::min(ids.size(), i + 3)})});
+    engine.script.push_back({0, finished(end)});
+  }
+  json chat(json extra = json::object()) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}}, {"tools", kTools}};
+    body.update(extra);
+    auto r = post(body, true);
+    EXPECT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << r->body;
+    return json::parse(r->body);
+  }
+  // The events of a streamed response.
+  std::vector<json> stream(json extra = json::object()) {
+    extra["stream"] = true;
+    json body = {{"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}}, {"tools", kTools}};
+    body.update(extra);
+    auto r = post(body, true);
+    EXPECT_TRUE(r);
+    std::vector<json> events;
+    size_t at = 0;
+    while ((at = r->body.find("data: ", at)) != std::string::npos) {
+      const size_t end = r->body.find("\n\n", at);
+      const std::string data = r->body.substr(at + 6, end - at - 6);
+      if (data != "[DONE]") events.push_back(json::parse(data));
+      at = end;
+    }
+    return events;
+  }
+};
+
+TEST_F(Agent, ToolCallsAndReasoningComeBackStructured) {
+  script(kAgentOutput);
+  const json m = chat()["choices"][0];
+  EXPECT_EQ(m["finish_reason"], "tool_calls");
+  EXPECT_EQ(m["message"]["reasoning_content"], "The user wants weather.");
+  EXPECT_EQ(m["message"]["content"], "Checking.");
+  ASSERT_EQ(m["message"]["tool_calls"].size(), 2u);
+  const json& c = m["message"]["tool_calls"][0];
+  EXPECT_EQ(c["type"], "function");
+  EXPECT_EQ(c["function"]["name"], "get_weather");
+  EXPECT_EQ(json::parse(c["function"]["arguments"].get<std::string>()), json({{"city", "Paris"}, {"days", 2}}));
+  EXPECT_TRUE(c["id"].get<std::string>().starts_with("call_"));
+  EXPECT_NE(c["id"], m["message"]["tool_calls"][1]["id"]);
+
+  // Streamed: the same pieces as deltas, each call's name before its arguments.
+  std::string reasoning, content;
+  std::vector<std::string> names(2), args(2);
+  std::string finish;
+  for (const json& e : stream()) {
+    const json& ch = e["choices"][0];
+    const json& d = ch["delta"];
+    if (d.contains("reasoning_content")) reasoning += d["reasoning_content"].get<std::string>();
+    if (d.contains("content") && d["content"].is_string()) content += d["content"].get<std::string>();
+    if (d.contains("tool_calls")) {
+      const json& tc = d["tool_calls"][0];
+      const size_t k = tc["index"].get<size_t>();
+      ASSERT_LT(k, 2u);
+      if (tc["function"].contains("name")) {
+        EXPECT_TRUE(args[k].empty());
+        names[k] = tc["function"]["name"];
+      }
+      args[k] += tc["function"]["arguments"].get<std::string>();
+    }
+    if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
+  }
+  EXPECT_EQ(reasoning, "The user wants weather.");
+  EXPECT_EQ(content, "Checking.");
+  EXPECT_EQ(names, (std::vector<std::string>{"get_weather", "add"}));
+  EXPECT_EQ(args[0], m["message"]["tool_calls"][0]["function"]["arguments"]);
+  EXPECT_EQ(args[1], m["message"]["tool_calls"][1]["function"]["arguments"]);
+  EXPECT_EQ(finish, "tool_calls");
+}
+
+TEST_F(Agent, ToolChoiceNoneAndSingleCallsAndRefusals) {
+  script(kAgentOutput);
+  // "none": nothing is parsed (and the tools are not rendered).
+  const json none = chat({{"tool_choice", "none"}})["choices"][0];
+  EXPECT_EQ(none["finish_reason"], "stop");
+  EXPECT_FALSE(none["message"].contains("tool_calls"));
+  EXPECT_NE(none["message"]["content"].get<std::string>().find("<tool_call>"), std::string::npos);
+  // Without parallel calls the choice ends after the first.
+  const json one = chat({{"parallel_tool_calls", false}})["choices"][0];
+  EXPECT_EQ(one["finish_reason"], "tool_calls");
+  EXPECT_EQ(one["message"]["tool_calls"].size(), 1u);
+  // What needs constrained decoding is refused, naming the field.
+  for (const json& choice : {json("required"), json({{"type", "function"}, {"function", {{"name", "add"}}}}), json("x")}) {
+    auto r = post({{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"tools", kTools}, {"tool_choice", choice}}, true);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << r->body;
+    EXPECT_EQ(json::parse(r->body)["error"]["param"], "tool_choice");
+  }
+  auto bad = post({{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"tools", {{{"type", "function"}}}}}, true);
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  EXPECT_EQ(json::parse(bad->body)["error"]["param"], "tools[0]");
+}
+
+TEST_F(Agent, ChoicesAndLogprobsComeFromTheEngineEvents) {
+  TokenEvent e = tokens(hello);
+  for (size_t i = 0; i < hello.size(); ++i) e.logprobs.push_back({-0.5f * static_cast<float>(i + 1), {{hello[i], -0.1f}, {7, -2.0f}}});
+  engine.script = {{0, e}, {0, finished(FinishReason::Length)}};
+  auto r = post({{"prompt", "hi"}, {"n", 3}, {"logprobs", 1}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  ASSERT_EQ(j["choices"].size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    const json& c = j["choices"][i];
+    EXPECT_EQ(c["index"], i);
+    EXPECT_EQ(c["text"], "Hello world");
+    EXPECT_EQ(c["logprobs"]["token_logprobs"], json({-0.5, -1.0}));
+    EXPECT_EQ(c["logprobs"]["tokens"], json({"Hello", " world"}));
+    EXPECT_EQ(c["logprobs"]["top_logprobs"][0].size(), 1u);
+    EXPECT_EQ(c["logprobs"]["text_offset"], json({0, 5}));
+  }
+  EXPECT_EQ(j["usage"]["completion_tokens"], 6);
+  const json chat = json::parse(post({{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"logprobs", true},
+                                      {"top_logprobs", 2}}, true)->body);
+  const json& lp = chat["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(lp.size(), 2u);
+  EXPECT_EQ(lp[1]["token"], " world");
+  EXPECT_EQ(lp[1]["bytes"], json({32, 119, 111, 114, 108, 100}));
+  EXPECT_EQ(lp[1]["top_logprobs"].size(), 2u);
+  for (const json& body : {json{{"prompt", "x"}, {"n", 17}}, json{{"prompt", "x"}, {"logprobs", 21}},
+                           json{{"prompt", "x"}, {"logprobs", true}}, json{{"prompt", "x"}, {"logit_bias", {{"abc", 1}}}},
+                           json{{"prompt", "x"}, {"presence_penalty", 3}}, json{{"prompt", "x"}, {"min_tokens", 99}},
+                           json{{"prompt", "x"}, {"repetition_penalty", 0}}}) {
+    auto bad = post(body);
+    ASSERT_TRUE(bad);
+    EXPECT_EQ(bad->status, 400) << body.dump() << " " << bad->body;
+  }
+  auto top = post({{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"top_logprobs", 2}}, true);
+  EXPECT_EQ(json::parse(top->body)["error"]["param"], "top_logprobs");
+}
+
+TEST_F(Agent, TokenizeAndDetokenizeAsVllmNamesThem) {
+  auto t = client->Post("/tokenize", R"({"prompt": "Hello world"})", "application/json");
+  ASSERT_TRUE(t);
+  ASSERT_EQ(t->status, 200) << t->body;
+  const json tj = json::parse(t->body);
+  EXPECT_EQ(tj["tokens"], json(hello));
+  EXPECT_EQ(tj["count"], hello.size());
+  EXPECT_EQ(tj["max_model_len"], 4096);
+  auto c = client->Post("/tokenize", R"({"messages": [{"role": "user", "content": "Hi"}], "return_token_strs": true})",
+                        "application/json");
+  ASSERT_EQ(c->status, 200) << c->body;
+  EXPECT_EQ(json::parse(c->body)["token_strs"][0], "<|im_start|>");
+  auto d = client->Post("/detokenize", json{{"tokens", hello}}.dump(), "application/json");
+  ASSERT_EQ(d->status, 200);
+  EXPECT_EQ(json::parse(d->body)["prompt"], "Hello world");
+  EXPECT_EQ(client->Post("/detokenize", R"({"tokens": [-1]})", "application/json")->status, 400);
+  EXPECT_EQ(client->Post("/tokenize", R"({"prompt": 5})", "application/json")->status, 400);
+  EXPECT_EQ(client->Post("/tokenize", R"({"prompt": "x", "model": "other"})", "application/json")->status, 404);
 }
 
 }  // namespace

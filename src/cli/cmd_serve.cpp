@@ -58,6 +58,13 @@ Command add_serve(CLI::App& app) {
   app.add_option("--read-timeout", a->http.read_timeout_s, "seconds a client may stall while sending (default 20)")
       ->check(CLI::Range(1, 3600));
   app.add_option("--model-name", a->http.model_name, "name served in /v1/models (default: the model directory's name)");
+  app.add_option("--tool-call-parser", a->http.tool_call_parser,
+                 "how tool calls are read from chat output: auto (from the chat template), hermes "
+                 "(<tool_call>...</tool_call>, Qwen), llama3_json (Llama 3.1), none (left as content)")
+      ->check(CLI::IsMember({"auto", "hermes", "llama3_json", "none"}));
+  app.add_option("--reasoning-parser", a->http.reasoning_parser,
+                 "<think> blocks to reasoning_content: auto (when the chat template writes them), on, off")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   add_backend_flags(app, a->batch_invariant, a->no_graphs);
   return [a] {
     if (a->model.empty()) {

@@ -46,6 +46,7 @@ void DecodeLoop::finish(std::vector<Ended>& ended) {
   for (auto& e : ended) {
     TokenEvent ev;
     ev.tokens = std::move(e.tokens);
+    ev.logprobs = std::move(e.logprobs);
     ev.finished = true;
     ev.finish_reason = e.reason;
     ev.error = std::move(e.error);
@@ -59,14 +60,14 @@ bool DecodeLoop::cancel(uint64_t id) {
   auto s = sched_.remove(id);
   if (!s) return false;
   std::vector<Ended> ended;
-  ended.push_back({std::move(s), FinishReason::Cancelled, {}, {}});
+  ended.push_back({std::move(s), FinishReason::Cancelled, {}, {}, {}});
   finish(ended);
   return true;
 }
 
 void DecodeLoop::cancel_all() {
   std::vector<Ended> ended;
-  for (Sequence* s : sched_.all()) ended.push_back({sched_.remove(s->id), FinishReason::Cancelled, {}, {}});
+  for (Sequence* s : sched_.all()) ended.push_back({sched_.remove(s->id), FinishReason::Cancelled, {}, {}, {}});
   finish(ended);
 }
 
@@ -89,7 +90,7 @@ bool DecodeLoop::step() {
     for (const auto& p : plan.prefills) in_step.push_back(p.seq);
     for (const auto& d : plan.decodes) in_step.push_back(d.seq);
     for (Sequence* s : in_step)
-      if (auto owned = sched_.remove(s->id)) ended.push_back({std::move(owned), FinishReason::Error, {}, e.what()});
+      if (auto owned = sched_.remove(s->id)) ended.push_back({std::move(owned), FinishReason::Error, {}, e.what(), {}});
     finish(ended);
     return true;
   }
@@ -112,10 +113,11 @@ bool DecodeLoop::step() {
   for (SeqStep& r : st.seqs) {
     if (r.finish) {
       const FinishReason why = *r.finish;
-      ended.push_back({sched_.remove(r.seq->id), why, std::move(r.tokens), {}});
+      ended.push_back({sched_.remove(r.seq->id), why, std::move(r.tokens), {}, std::move(r.logprobs)});
     } else if (!r.tokens.empty()) {
       TokenEvent e;
       e.tokens = std::move(r.tokens);
+      e.logprobs = std::move(r.logprobs);
       e.n_prompt_tokens = r.seq->n_prompt;
       r.seq->on_event(e);
     }

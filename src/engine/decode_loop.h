@@ -65,6 +65,7 @@ class DecodeLoop {
     FinishReason reason;
     std::vector<int32_t> tokens;
     std::string error;
+    std::vector<TokenLogprobs> logprobs;
   };
   void finish(std::vector<Ended>& ended);
 

@@ -61,8 +61,10 @@ GenerationResult Engine::generate(const std::vector<int32_t>& prompt, const Gene
   const auto& eos = opts.eos_ids.empty() && opts.use_default_eos ? m.eos_ids : opts.eos_ids;
   s->eos.insert(eos.begin(), eos.end());
   s->sampling = opts.sampling;
+  s->logprobs = opts.logprobs;
   s->on_event = [&](const TokenEvent& e) {
     result.tokens.insert(result.tokens.end(), e.tokens.begin(), e.tokens.end());
+    result.logprobs.insert(result.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
     if (e.finished) last = e;
   };
   loop.add(std::move(s));

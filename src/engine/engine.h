@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/finish_reason.h"
@@ -18,11 +19,30 @@ enum class SpeculativeMode { None, DFlash };
 
 // Token choice; details and the random streams in engine/sampling.h.
 struct SamplingParams {
+  SamplingParams() = default;
+  SamplingParams(float temperature_, int top_k_ = 0, float top_p_ = 1, uint64_t seed_ = 0)
+      : temperature(temperature_), top_k(top_k_), top_p(top_p_), seed(seed_) {}
   float temperature = 0;  // 0: greedy
   int top_k = 0;          // 0: off
   float top_p = 1;        // 1: off
   uint64_t seed = 0;
+  // Logits processing before temperature (engine/logits_processing.h), as vLLM applies it.
+  float presence_penalty = 0, frequency_penalty = 0;  // per generated token present / per occurrence
+  float repetition_penalty = 1;                       // tokens of the prompt or the output; 1: off
+  std::vector<std::pair<int32_t, float>> logit_bias;  // added to the logit of a token id
+  int min_tokens = 0;                                 // EOS ids are ruled out before this many tokens
   bool greedy() const { return temperature <= 0; }
+  bool processes_logits() const {
+    return presence_penalty != 0 || frequency_penalty != 0 || repetition_penalty != 1 || !logit_bias.empty() ||
+           min_tokens > 0;
+  }
+};
+
+// The log-probability of a chosen token and of the most likely tokens (most
+// likely first, the lower id on ties), from the target's raw logits.
+struct TokenLogprobs {
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
 };
 
 // How DFlash verifies drafts when sampling (docs/algorithm.md section 5).
@@ -48,6 +68,7 @@ struct GenerateOptions {
   bool use_default_eos = true;   // false with empty eos_ids: never stop on a token
   SamplingParams sampling;       // greedy by default
   SpecSampling spec_sampling = SpecSampling::Match;
+  int logprobs = -1;             // >= 0: each token's log-probability with this many top entries
 };
 
 struct GenerationStats {
@@ -67,6 +88,7 @@ struct GenerationStats {
 
 struct GenerationResult {
   std::vector<int32_t> tokens;  // generated ids (EOS included when it stopped there)
+  std::vector<TokenLogprobs> logprobs;  // one per token when GenerateOptions::logprobs >= 0
   FinishReason stop_reason = FinishReason::Length;  // Eos, Length (max_tokens) or Context (max positions)
   GenerationStats stats;
 };

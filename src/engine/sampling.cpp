@@ -13,6 +13,11 @@ void validate(const SamplingParams& p) {
         "temperature must be in 0..100, got ", p.temperature);
   check(p.top_k >= 0, "top_k must be 0 (off) or positive, got ", p.top_k);
   check(std::isfinite(p.top_p) && p.top_p > 0 && p.top_p <= 1, "top_p must be in (0, 1], got ", p.top_p);
+  check(std::isfinite(p.presence_penalty) && std::isfinite(p.frequency_penalty), "penalties must be finite");
+  check(std::isfinite(p.repetition_penalty) && p.repetition_penalty > 0, "repetition_penalty must be positive, got ",
+        p.repetition_penalty);
+  check(p.min_tokens >= 0, "min_tokens must not be negative, got ", p.min_tokens);
+  for (const auto& [id, bias] : p.logit_bias) check(std::isfinite(bias), "logit_bias of token ", id, " is not finite");
 }
 
 SamplingParams default_sampling(const GenerationConfig& g) {

@@ -92,6 +92,7 @@ StepPlan Scheduler::schedule() {
   }
   while (!waiting_.empty() && static_cast<int>(running_.size()) < max_num_seqs_ && budget > 0) {
     Sequence& s = *waiting_.front();
+    if (s.share_prefix_with && prompt_pending(s.share_prefix_with)) break;  // its pages are about to be cached
     if (!admit(s)) break;  // first come, first served
     s.admit_order = next_order_++;
     running_.push_back(std::move(waiting_.front()));
@@ -99,6 +100,14 @@ StepPlan Scheduler::schedule() {
     add_prefill(s);
   }
   return plan;
+}
+
+bool Scheduler::prompt_pending(uint64_t id) const {
+  for (const auto& s : running_)
+    if (s->id == id) return s->prefilling();
+  for (const auto& s : waiting_)
+    if (s->id == id) return true;
+  return false;  // finished or cancelled
 }
 
 std::unique_ptr<Sequence> Scheduler::remove(uint64_t id) {

@@ -59,6 +59,8 @@ class Scheduler {
   void release(Sequence& s);
   bool admit(Sequence& s);  // maps its cached prefix and reserves the rest, or changes nothing
   void preempt(Sequence& s);
+  // Sequence `id` is waiting or prefilling (a sequence sharing its prompt waits for its pages).
+  bool prompt_pending(uint64_t id) const;
 
   PagePool pool_;
   bool with_draft_;

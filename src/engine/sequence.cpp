@@ -14,6 +14,8 @@ void validate_request(const ModelConfig& c, const std::vector<int32_t>& prompt, 
     check(prompt[i] >= 0 && prompt[i] < c.n_vocab, "prompt token ", i, " (id ", prompt[i],
           ") is outside the vocabulary 0..", c.n_vocab - 1);
   }
+  for (const auto& [id, bias] : sampling.logit_bias)
+    check(id >= 0 && id < c.n_vocab, "logit_bias token ", id, " is outside the vocabulary 0..", c.n_vocab - 1);
   check(static_cast<int64_t>(prompt.size()) < c.max_positions, "the prompt has ", prompt.size(),
         " tokens; the model's context is ", c.max_positions);
 }

@@ -27,6 +27,8 @@ struct Sequence {
   int max_tokens = 0;
   std::unordered_set<int32_t> eos;
   SamplingParams sampling;
+  int logprobs = -1;             // >= 0: log-probabilities of emitted tokens, with this many top entries
+  uint64_t share_prefix_with = 0;  // admitted only once that sequence's prompt is cached (n > 1)
   int64_t admit_order = 0;       // larger = admitted later (preempted first)
 
   bool prefilling() const { return pending < 0; }

@@ -146,9 +146,13 @@ uint64_t ServingEngine::submit(RequestParams p, Callback on_event) {
   s->tokens = std::move(p.prompt);
   s->n_prompt = static_cast<int32_t>(s->tokens.size());
   s->max_tokens = p.max_tokens;
-  s->eos.insert(impl_->m.eos_ids.begin(), impl_->m.eos_ids.end());
-  s->eos.insert(p.extra_eos.begin(), p.extra_eos.end());
+  if (!p.ignore_eos) {
+    s->eos.insert(impl_->m.eos_ids.begin(), impl_->m.eos_ids.end());
+    s->eos.insert(p.extra_eos.begin(), p.extra_eos.end());
+  }
   s->sampling = p.sampling;
+  s->logprobs = p.logprobs;
+  s->share_prefix_with = p.share_prefix_with;
   s->on_event = std::move(on_event);
   uint64_t id;
   {

@@ -32,10 +32,16 @@ struct RequestParams {
   int max_tokens = 16;
   std::vector<int32_t> extra_eos;  // besides the model's default EOS ids (e.g. a chat template's end of turn)
   SamplingParams sampling;         // greedy by default
+  bool ignore_eos = false;         // no token ends the request (max_tokens or the context does)
+  int logprobs = -1;               // >= 0: each token's log-probability and this many top entries
+  // A request submitted just before with the same prompt (n > 1): this one is admitted after that
+  // one's prefill, so that it maps the prompt's pages from the prefix cache. 0: none.
+  uint64_t share_prefix_with = 0;
 };
 
 struct TokenEvent {
   std::vector<int32_t> tokens;     // newly generated tokens (may be empty on the final event)
+  std::vector<TokenLogprobs> logprobs;  // one per token when the request asks (RequestParams::logprobs)
   bool finished = false;
   FinishReason finish_reason = FinishReason::Eos;  // meaningful when finished
   std::string error;               // finish_reason == Error: what failed

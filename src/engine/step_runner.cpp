@@ -147,10 +147,11 @@ void StepRunner::execute(Step& st) {
   st.host_ids = m_.be->ids_to_host(st.ids);
 }
 
-void StepRunner::emit(SeqStep& r, int32_t token) const {
+void StepRunner::emit(SeqStep& r, int32_t token, const TokenLogprobs* lp) const {
   if (r.finish) return;
   Sequence& s = *r.seq;
   r.tokens.push_back(token);
+  if (lp) r.logprobs.push_back(*lp);
   ++s.n_generated;
   if (s.eos.count(token)) r.finish = FinishReason::Eos;
   else if (s.n_generated >= s.max_tokens) r.finish = FinishReason::Length;
@@ -167,8 +168,10 @@ void StepRunner::postprocess(Step& st, StepCounters& c) {
   std::vector<VerifyBlock> blocks;
   for (const SeqStep& r : st.seqs) {
     if (!r.chooses) continue;
-    const int64_t position = r.prefill ? r.seq->n_cached + r.n_rows : r.seq->n_cached + 1;
-    blocks.push_back({&r.seq->sampling, r.first_logit, position, r.n_drafted > 0 ? &r.draft : nullptr});
+    const Sequence& s = *r.seq;
+    const int64_t position = r.prefill ? s.n_cached + r.n_rows : s.n_cached + 1;
+    blocks.push_back({&s.sampling, r.first_logit, position, r.n_drafted > 0 ? &r.draft : nullptr, &s.tokens, s.n_prompt,
+                      r.prefill ? -1 : s.pending, &s.eos, s.logprobs});
   }
   const std::vector<BlockResult> results = verify_blocks(*m_.be, st.logits, blocks, scheme_, &argmax);
 
@@ -193,8 +196,9 @@ void StepRunner::postprocess(Step& st, StepCounters& c) {
       s.n_cached += r.n_rows;
       c.prompt_tokens += r.n_rows;
       if (!r.chooses) continue;
-      s.pending = results[next_block++].next;
-      emit(r, s.pending);
+      const BlockResult& v = results[next_block++];
+      s.pending = v.next;
+      emit(r, s.pending, v.logprobs.empty() ? nullptr : &v.logprobs[0]);
     } else {
       // Commit t, d_1..d_a; the rows beyond a are dropped by not counting them.
       const BlockResult& v = results[next_block++];
@@ -204,9 +208,10 @@ void StepRunner::postprocess(Step& st, StepCounters& c) {
       s.tokens.insert(s.tokens.end(), d.begin(), d.begin() + a);
       s.n_cached += a + 1;
       project(s, r.first_row, a + 1);
-      for (int j = 0; j < a; ++j) emit(r, d[static_cast<size_t>(j)]);
+      auto lp = [&](int j) { return v.logprobs.empty() ? nullptr : &v.logprobs[static_cast<size_t>(j)]; };
+      for (int j = 0; j < a; ++j) emit(r, d[static_cast<size_t>(j)], lp(j));
       s.pending = v.next;
-      emit(r, s.pending);
+      emit(r, s.pending, lp(a));
       if (spec_) {
         ++c.dflash_seq_steps;
         if (a < static_cast<int>(c.acceptance_histogram.size())) ++c.acceptance_histogram[a];

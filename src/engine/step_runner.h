@@ -50,6 +50,7 @@ struct SeqStep {
   DraftChoice draft;            // d_1..d_n once drafted (and q for the rejection scheme)
   // Filled by postprocess:
   std::vector<int32_t> tokens;  // emitted this step, in order
+  std::vector<TokenLogprobs> logprobs;  // theirs, when the sequence asks
   std::optional<FinishReason> finish;  // set when the sequence ends with this step
 };
 
@@ -104,7 +105,7 @@ class StepRunner {
 
  private:
   void draft_apart(Step& st);  // the rejection scheme's draft forward and host-side sampling
-  void emit(SeqStep& r, int32_t token) const;
+  void emit(SeqStep& r, int32_t token, const TokenLogprobs* lp) const;
 
   ModelSet& m_;
   StepCaches& caches_;

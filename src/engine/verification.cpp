@@ -1,5 +1,8 @@
 #include "engine/verification.h"
 
+#include <algorithm>
+
+#include "engine/logits_processing.h"
 #include "util/error.h"
 
 namespace dflash {
@@ -7,6 +10,60 @@ namespace dflash {
 namespace {
 
 bool sampled(const SamplingParams* p) { return p && !p->greedy(); }
+
+int n_drafted(const VerifyBlock& b) { return b.draft ? static_cast<int>(b.draft->tokens.size()) : 0; }
+
+bool on_host(const VerifyBlock& b) {
+  check(b.history || !(b.params && b.params->processes_logits()), "internal: logits processing without a history");
+  return b.history && ((b.params && b.params->processes_logits()) || b.logprobs >= 0);
+}
+
+// One block chosen on the host: its rows copied back, each processed after the tokens before it,
+// then the same choice as on the device path (argmax, the match scheme or rejection sampling).
+BlockResult verify_on_host(Backend& be, const Tensor& logits, const VerifyBlock& b, SpecSampling scheme) {
+  static const SamplingParams kGreedy;
+  static const std::unordered_set<int32_t> kNoEos;
+  const SamplingParams& sp = b.params ? *b.params : kGreedy;
+  const int nd = n_drafted(b);
+  const int64_t n = logits.cols;
+  const std::vector<float> rows = be.to_host(logits.slice_rows(b.first_row, nd + 1));
+  LogitsProcessor proc(sp, b.eos ? *b.eos : kNoEos, *b.history, b.n_prompt);
+  if (b.pending >= 0) proc.push(b.pending);
+  const bool rejection = scheme == SpecSampling::Rejection && nd > 0 && !sp.greedy();
+  check(!rejection || b.draft->q.size() == static_cast<size_t>(nd), "internal: rejection sampling without draft distributions");
+  std::vector<float> row(static_cast<size_t>(n));
+  BlockResult r;
+  for (;; ++r.accepted) {
+    const int j = r.accepted;
+    const float* raw = rows.data() + static_cast<int64_t>(j) * n;
+    std::copy(raw, raw + n, row.begin());
+    proc.apply(row.data(), n);
+    const int64_t pos = b.position + j;
+    int32_t g = 0;
+    bool accepted = false;
+    if (sp.greedy()) {
+      g = argmax(row.data(), n);
+      accepted = j < nd && b.draft->tokens[static_cast<size_t>(j)] == g;
+    } else {
+      const TokenDist p = distribution(select_top_candidates(row.data(), n, sp.temperature, sp.top_k), sp);
+      if (rejection && j < nd) {
+        const Verdict v = verify_draft_token(p, b.draft->q[static_cast<size_t>(j)], b.draft->tokens[static_cast<size_t>(j)],
+                                             uniform(sp.seed, pos, kAcceptTest), uniform(sp.seed, pos, kResample));
+        g = v.token;
+        accepted = v.accepted;
+      } else {
+        g = sample(p, uniform(sp.seed, pos, kTargetSample));
+        accepted = !rejection && j < nd && b.draft->tokens[static_cast<size_t>(j)] == g;
+      }
+    }
+    if (b.logprobs >= 0) r.logprobs.push_back(logprobs_of(raw, n, g, b.logprobs));
+    if (!accepted) {
+      r.next = g;
+      return r;
+    }
+    proc.push(g);
+  }
+}
 
 // The candidates of the listed logits rows (top-k selected where the logits are, one call),
 // with their distributions computed on demand.
@@ -67,13 +124,13 @@ std::vector<DraftChoice> choose_draft_tokens(Backend& be, const Tensor& logits, 
 
 std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const std::vector<VerifyBlock>& blocks,
                                        SpecSampling scheme, const std::vector<int32_t>* known_argmax) {
-  auto n_drafted = [](const VerifyBlock& b) { return b.draft ? static_cast<int>(b.draft->tokens.size()) : 0; };
   std::vector<int32_t> rows;
   std::vector<const SamplingParams*> params;
   std::vector<size_t> first_cand(blocks.size(), 0);  // index of each sampled block's first row in `rows`
   bool need_argmax = false;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const VerifyBlock& b = blocks[i];
+    if (on_host(b)) continue;
     if (!sampled(b.params)) {
       need_argmax = true;
       continue;
@@ -93,6 +150,10 @@ std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const 
   std::vector<BlockResult> out(blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
     const VerifyBlock& b = blocks[i];
+    if (on_host(b)) {
+      out[i] = verify_on_host(be, logits, b, scheme);
+      continue;
+    }
     const int nd = n_drafted(b);
     const int32_t* d = nd ? b.draft->tokens.data() : nullptr;
     BlockResult& r = out[i];

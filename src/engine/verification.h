@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <unordered_set>
 #include <vector>
 
 #include "engine/sampling.h"
@@ -35,11 +36,20 @@ struct VerifyBlock {
   int32_t first_row = 0;
   int64_t position = 0;
   const DraftChoice* draft = nullptr;  // null: nothing drafted
+  // What its rows follow, for logits processing (params->processes_logits()) and log-probabilities:
+  // the committed tokens (the first n_prompt the prompt), then the pending token (-1: none, the end
+  // of a prefill), then the drafted tokens before each row. Such blocks are chosen on the host.
+  const std::vector<int32_t>* history = nullptr;
+  int32_t n_prompt = 0;
+  int32_t pending = -1;
+  const std::unordered_set<int32_t>* eos = nullptr;  // for min_tokens
+  int logprobs = -1;  // >= 0: log-probabilities of the chosen tokens, with this many top entries
 };
 
 struct BlockResult {
   int accepted = 0;    // leading draft tokens committed
   int32_t next = -1;   // the new pending token
+  std::vector<TokenLogprobs> logprobs;  // of d_1..d_accepted and next, when the block asks
 };
 
 // `argmax`: the logits rows' argmax when the step computed it already (one per row), else null.

@@ -56,6 +56,7 @@ ChatTemplate::ChatTemplate(const std::string& dir) {
     if (auto s = token_string(cfg, key)) special_[key] = *s;
   }
   eos_ = token_string(cfg, "eos_token");
+  source_ = source;
   try {
     tmpl_.emplace(source);
   } catch (const Error& e) {
@@ -64,7 +65,7 @@ ChatTemplate::ChatTemplate(const std::string& dir) {
 }
 
 ChatTemplate::ChatTemplate(const std::string& source, nlohmann::ordered_json special_tokens)
-    : special_(std::move(special_tokens)) {
+    : special_(std::move(special_tokens)), source_(source) {
   if (special_.contains("eos_token") && special_["eos_token"].is_string()) eos_ = special_["eos_token"];
   tmpl_.emplace(source);
 }

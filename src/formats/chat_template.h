@@ -23,11 +23,14 @@ class ChatTemplate {
   std::string render(const nlohmann::ordered_json& request) const;
 
   const std::optional<std::string>& eos_token() const { return eos_; }
+  // The template text (the server tells tool-call and reasoning formats from it).
+  const std::string& source() const { return source_; }
 
  private:
   std::optional<jinja::Template> tmpl_;
   nlohmann::ordered_json special_;  // bos_token, eos_token, ... -> strings
   std::optional<std::string> eos_;
+  std::string source_;
 };
 
 }  // namespace dflash

@@ -3,6 +3,7 @@
 #include <httplib.h>
 
 #include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -14,6 +15,9 @@
 #include "formats/model_config.h"
 #include "server/metrics.h"
 #include "server/openai_protocol.h"
+#include "server/reasoning.h"
+#include "server/openai_response.h"
+#include "server/tokenize.h"
 #include "server/text_stream.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
@@ -28,74 +32,103 @@ std::string to_text(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlo
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Token events of one request, handed from the engine thread to the HTTP thread.
+// Token events of one request's choices, handed from the engine thread to the HTTP thread.
 struct Channel {
+  using Item = std::pair<int, TokenEvent>;  // choice index, event
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<TokenEvent> events;
+  std::deque<Item> events;
 
-  void push(const TokenEvent& e) {
+  void push(int choice, const TokenEvent& e) {
     {
       std::lock_guard<std::mutex> lk(mu);
-      events.push_back(e);
+      events.emplace_back(choice, e);
     }
     cv.notify_all();
   }
   // Waits up to `timeout` for the next event.
-  std::optional<TokenEvent> pop(std::chrono::milliseconds timeout) {
+  std::optional<Item> pop(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lk(mu);
     if (!cv.wait_for(lk, timeout, [&] { return !events.empty(); })) return std::nullopt;
-    TokenEvent e = std::move(events.front());
+    Item e = std::move(events.front());
     events.pop_front();
     return e;
   }
 };
 
-// One request in flight: engine id, text assembly, usage, timing and outcome.
+// One choice in flight: its engine request, output assembly and stream state.
+struct Choice {
+  uint64_t engine_id = 0;
+  std::unique_ptr<ChoiceOutput> out;
+  std::string finish_reason;  // set when it ended normally
+  bool done = false;
+  ChunkState chunks;
+};
+
+// What an event changed for one choice: the delta to send, and its finish_reason once it ended.
+struct Update {
+  int index = 0;
+  ChoiceDelta delta;
+  std::string finish_reason;
+};
+
+// One request in flight: its choices, usage, timing and outcome.
 struct Generation {
   std::shared_ptr<Channel> channel = std::make_shared<Channel>();
-  uint64_t engine_id = 0;
-  std::unique_ptr<TextStream> text;
+  std::vector<Choice> choices;
   Usage usage;
-  std::string finish_reason;  // "stop" or "length" when it ended normally
   std::string error;          // failed: the engine's message
   Clock::time_point start = Clock::now(), first_token, last_token;
-  int n_tokens = 0, n_events = 0;
-  bool done = false, failed = false, cancelled = false;
+  int n_tokens = 0, n_events = 0, n_done = 0;
+  bool failed = false, cancelled = false;
   bool counted = false;  // in /metrics (before its last bytes, so a client that reads them sees it)
 
-  // Applies an event; returns the text that became sendable.
-  std::string apply(const TokenEvent& e, Metrics& metrics) {
+  bool done() const { return failed || cancelled || n_done == static_cast<int>(choices.size()); }
+
+  // Applies an event of choice `index`. A choice that ends on the server's side (a stop string,
+  // its first tool call without parallel calls) is cancelled in the engine.
+  Update apply(int index, const TokenEvent& e, Metrics& metrics, EngineApi& engine) {
     ++n_events;
-    std::string out;
-    for (int32_t t : e.tokens) {
-      if (text->stopped()) break;
+    Choice& c = choices[static_cast<size_t>(index)];
+    Update u;
+    u.index = index;
+    if (c.done || done()) return u;  // e.g. the cancellation of a choice that ended already
+    for (size_t i = 0; i < e.tokens.size() && !c.out->ended(); ++i) {
       if (n_tokens++ == 0) {
         first_token = Clock::now();
         metrics.first_token(seconds_since(start));
       }
       last_token = Clock::now();
       ++usage.completion_tokens;
-      out += text->push(t);
+      const ChoiceDelta d = c.out->push(e.tokens[i], i < e.logprobs.size() ? &e.logprobs[i] : nullptr);
+      append_delta(u.delta, d);
     }
-    if (text->stopped()) {
-      finish_reason = "stop";  // a stop string
-      done = true;
+    if (c.out->ended()) {
+      c.finish_reason = c.out->n_calls() > 0 ? "tool_calls" : "stop";
+      if (!e.finished) engine.cancel(c.engine_id);
     } else if (e.finished) {
-      done = true;
       if (auto reason = finish_reason_text(e.finish_reason)) {
-        out += text->finish();
-        finish_reason = *reason;
+        append_delta(u.delta, c.out->finish());
+        c.finish_reason = *reason == "stop" && c.out->n_calls() > 0 ? "tool_calls" : *reason;
       } else if (e.finish_reason == FinishReason::Error) {
         failed = true;
         error = e.error.empty() ? "the engine failed this request" : e.error;
       } else {
         cancelled = true;
       }
+      if (failed || cancelled) {
+        for (const Choice& other : choices)
+          if (!other.done && &other != &c) engine.cancel(other.engine_id);
+      }
     }
-    if (done && !failed && !cancelled && n_tokens > 1)
+    if (!c.finish_reason.empty()) {
+      c.done = true;
+      ++n_done;
+      u.finish_reason = c.finish_reason;
+    }
+    if (done() && !failed && !cancelled && n_tokens > 1)
       metrics.per_output_token(std::chrono::duration<double>(last_token - first_token).count() / (n_tokens - 1));
-    return out;
+    return u;
   }
 };
 
@@ -154,6 +187,13 @@ struct HttpServer::Impl {
     ctx.model_name = o.model_name;
     ctx.max_positions = e.max_positions();
     ctx.default_sampling = default_sampling(load_generation_config(o.tokenizer_dir));
+    const std::string source = chat_template ? chat_template->source() : std::string();
+    ctx.tool_format = parse_tool_call_format(o.tool_call_parser, source);
+    // Reasoning is split where the template writes think blocks (Qwen3 and its kind).
+    check(o.reasoning_parser == "auto" || o.reasoning_parser == "on" || o.reasoning_parser == "off",
+          "unknown reasoning parser '", o.reasoning_parser, "' (auto | on | off)");
+    ctx.reasoning = o.reasoning_parser == "on" ||
+                    (o.reasoning_parser == "auto" && source.find(std::string(kThinkOpen)) != std::string::npos);
     if (chat_template && chat_template->eos_token()) {
       if (auto id = tokenizer.token_to_id(*chat_template->eos_token())) ctx.chat_eos.push_back(*id);
     }
@@ -220,6 +260,20 @@ struct HttpServer::Impl {
                                 {"max_model_len", ctx.max_positions}};
       res.set_content(to_text(nlohmann::json{{"object", "list"}, {"data", {m}}}), "application/json");
     });
+    auto tokenizing = [this](const std::string& endpoint, nlohmann::json (*answer)(const std::string&, const ProtocolContext&)) {
+      return [this, endpoint, answer](const httplib::Request& req, httplib::Response& res) {
+        if (authorized(req, res)) {
+          try {
+            res.set_content(to_text(answer(req.body, ctx)), "application/json");
+          } catch (const ApiError& e) {
+            send_error(res, e.status, e.what(), e.type, e.param);
+          }
+        }
+        metrics.request_finished(endpoint, res.status < 0 ? 200 : res.status);
+      };
+    };
+    svr.Post("/tokenize", tokenizing("/tokenize", tokenize_response));
+    svr.Post("/detokenize", tokenizing("/detokenize", detokenize_response));
     svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       complete(req, res, false, "/v1/completions");
     });
@@ -247,40 +301,34 @@ struct HttpServer::Impl {
       return answered();
     }
     auto gen = std::make_shared<Generation>();
-    gen->usage.prompt_tokens = static_cast<int>(cr.prompt_ids.size());
-    gen->text = std::make_unique<TextStream>(tokenizer, cr.stop);
-    RequestParams rp;
-    rp.prompt = cr.prompt_ids;
-    rp.max_tokens = cr.max_tokens;
-    rp.extra_eos = cr.extra_eos;
-    rp.sampling = cr.sampling;
-    if (!cr.has_seed) rp.sampling.seed = seeds();
-    try {
-      auto channel = gen->channel;
-      gen->engine_id = engine.submit(rp, [channel](const TokenEvent& e) { channel->push(e); });
-    } catch (const Error& e) {
-      send_error(res, 400, e.what(), "invalid_request_error");
+    gen->usage.prompt_tokens = static_cast<int>(cr.prompt_ids.size());  // once, as OpenAI counts it
+    if (!submit_choices(cr, *gen)) {
+      send_error(res, 400, gen->error, "invalid_request_error");
       return answered();
     }
-    const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
+    ResponseHead head;
+    head.chat = chat;
+    head.id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
+    head.model = opts.model_name;
+    head.created = created;
+    head.logprobs = cr.logprobs;
+    head.tokenizer = &tokenizer;
 
-    std::string held;  // text generated while the status line was held
+    std::vector<Update> held;  // updates that arrived while the status line was held
     const double min_hold_s = cr.stream ? 0 : kHeartbeatS;
-    while (!gen->done && seconds_since(gen->start) < kHoldStatusMaxS &&
+    while (!gen->done() && seconds_since(gen->start) < kHoldStatusMaxS &&
            (gen->n_events == 0 || seconds_since(gen->start) < min_hold_s)) {
-      if (auto e = gen->channel->pop(std::chrono::milliseconds(50))) held += gen->apply(*e, metrics);
+      if (auto e = gen->channel->pop(std::chrono::milliseconds(50)))
+        held.push_back(gen->apply(e->first, e->second, metrics, engine));
     }
-    if (gen->done && (gen->failed || gen->cancelled || !cr.stream)) {
-      if (gen->text->stopped()) engine.cancel(gen->engine_id);
+    if (gen->done() && (gen->failed || gen->cancelled || !cr.stream)) {
       if (gen->failed) {
         metrics.request_failed(endpoint);
         send_error(res, 500, gen->error, "server_error");
       } else if (gen->cancelled) {
         send_error(res, 503, "the request was cancelled: the server is stopping", "server_error");
       } else {
-        res.set_content(to_text(completion_response(chat, id, opts.model_name, created, held, gen->finish_reason,
-                                                    gen->usage)),
-                        "application/json");
+        res.set_content(to_text(final_response(head, *gen)), "application/json");
       }
       return answered();
     }
@@ -293,7 +341,8 @@ struct HttpServer::Impl {
       metrics.request_finished(endpoint, gen->failed ? 500 : 200);
     };
     auto on_release = [this, gen, count](bool success) {
-      if (!success || !gen->done) engine.cancel(gen->engine_id);
+      if (!success || !gen->done())
+        for (const Choice& c : gen->choices) engine.cancel(c.engine_id);
       count();
     };
     if (!cr.stream) {
@@ -302,22 +351,18 @@ struct HttpServer::Impl {
       // away gets its request cancelled and its pages freed.
       res.set_chunked_content_provider(
           "application/json",
-          [this, gen, id, chat, count, text = std::move(held), beat = Clock::now()](size_t,
-                                                                                   httplib::DataSink& sink) mutable {
-            while (!gen->done) {
-              if (auto e = gen->channel->pop(std::chrono::milliseconds(200))) text += gen->apply(*e, metrics);
+          [this, gen, head, count, beat = Clock::now()](size_t, httplib::DataSink& sink) mutable {
+            while (!gen->done()) {
+              if (auto e = gen->channel->pop(std::chrono::milliseconds(200))) gen->apply(e->first, e->second, metrics, engine);
               if (seconds_since(beat) >= kHeartbeatS) {
                 beat = Clock::now();
                 if (!sink.write(" ", 1)) return false;
               }
             }
             if (gen->cancelled) return false;  // the client went away: nothing to send
-            if (gen->text->stopped()) engine.cancel(gen->engine_id);
             count();
             const std::string body =
-                gen->failed ? error_json(gen->error, "server_error", "")
-                            : to_text(completion_response(chat, id, opts.model_name, created, text, gen->finish_reason,
-                                                          gen->usage));
+                gen->failed ? error_json(gen->error, "server_error", "") : to_text(final_response(head, *gen));
             if (!sink.write(body.data(), body.size())) return false;
             sink.done();
             return true;
@@ -329,43 +374,93 @@ struct HttpServer::Impl {
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, gen, id, chat, include_usage, count, pending = std::move(held), first = true](
+        [this, gen, head, include_usage, count, pending = std::move(held), first = true](
             size_t, httplib::DataSink& sink) mutable {
           auto send_data = [&](const std::string& json_text) {
             const std::string s = "data: " + json_text + "\n\n";
             return sink.write(s.data(), s.size());
           };
-          auto send = [&](const nlohmann::json& j) { return send_data(to_text(j)); };
+          auto send = [&](const Update& u) {
+            Choice& c = gen->choices[static_cast<size_t>(u.index)];
+            for (const auto& chunk : completion_chunks(head, u.index, u.delta, u.finish_reason, c.chunks))
+              if (!send_data(to_text(chunk))) return false;
+            return true;
+          };
           if (first) {
             first = false;
-            if (chat && !send(completion_chunk(true, id, opts.model_name, created, "", "", true))) return false;
-            if (!pending.empty() && !send(completion_chunk(chat, id, opts.model_name, created, pending, "", false)))
-              return false;
+            for (size_t i = 0; i < gen->choices.size(); ++i)  // the assistant role first, in choice order
+              if (head.chat && !send(Update{static_cast<int>(i), {}, {}})) return false;
+            for (const Update& u : pending)
+              if (!send(u)) return false;
           }
-          while (!gen->done) {
+          while (!gen->done()) {
             auto e = gen->channel->pop(std::chrono::milliseconds(200));
             if (!e) {
               if (!sink.is_writable()) return false;  // the client went away while nothing was generated
               continue;
             }
-            const std::string text = gen->apply(*e, metrics);
-            if (!text.empty() && !send(completion_chunk(chat, id, opts.model_name, created, text, "", false)))
-              return false;
+            if (!send(gen->apply(e->first, e->second, metrics, engine))) return false;
           }
           if (gen->cancelled) return false;  // the client went away: nothing to send
           count();
           if (gen->failed) {
             if (!send_data(error_json(gen->error, "server_error", ""))) return false;
-          } else {
-            if (gen->text->stopped()) engine.cancel(gen->engine_id);
-            if (!send(completion_chunk(chat, id, opts.model_name, created, "", gen->finish_reason, false))) return false;
-            if (include_usage && !send(usage_chunk(chat, id, opts.model_name, created, gen->usage))) return false;
+          } else if (include_usage && !send_data(to_text(usage_chunk(head, gen->usage)))) {
+            return false;
           }
           if (!send_data("[DONE]")) return false;
           sink.done();
           return true;
         },
         on_release);
+  }
+
+  // Submits one engine request per choice (choice i samples with seed + i; choices after the
+  // first share the prompt's pages). False, with gen.error, when the engine refuses one.
+  bool submit_choices(const CompletionRequest& cr, Generation& gen) {
+    RequestParams rp;
+    rp.prompt = cr.prompt_ids;
+    rp.max_tokens = cr.max_tokens;
+    rp.extra_eos = cr.extra_eos;
+    rp.sampling = cr.sampling;
+    rp.ignore_eos = cr.ignore_eos;
+    rp.logprobs = cr.logprobs;
+    const uint64_t seed = cr.has_seed ? cr.sampling.seed : seeds();
+    const std::string call_prefix = random_call_prefix();
+    for (int i = 0; i < cr.n; ++i) {
+      Choice c;
+      OutputOptions oo = cr.output;
+      oo.call_id_prefix = call_prefix + std::to_string(i) + "_";
+      c.out = std::make_unique<ChoiceOutput>(tokenizer, oo);
+      gen.choices.push_back(std::move(c));
+    }
+    for (int i = 0; i < cr.n; ++i) {
+      rp.sampling.seed = seed + static_cast<uint64_t>(i);
+      rp.share_prefix_with = i > 0 ? gen.choices[0].engine_id : 0;
+      try {
+        auto channel = gen.channel;
+        gen.choices[static_cast<size_t>(i)].engine_id =
+            engine.submit(rp, [channel, i](const TokenEvent& e) { channel->push(i, e); });
+      } catch (const Error& e) {
+        for (int k = 0; k < i; ++k) engine.cancel(gen.choices[static_cast<size_t>(k)].engine_id);
+        gen.error = e.what();
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // "call_" and 16 random hex digits: tool call ids unique across requests.
+  std::string random_call_prefix() {
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "call_%016llx_", static_cast<unsigned long long>(seeds()));
+    return buf;
+  }
+
+  nlohmann::json final_response(const ResponseHead& head, const Generation& gen) const {
+    std::vector<FinishedChoice> list;
+    for (const Choice& c : gen.choices) list.push_back({&c.out->total(), c.finish_reason});
+    return completion_response(head, list, gen.usage);
   }
 };
 

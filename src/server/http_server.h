@@ -1,5 +1,6 @@
 // The OpenAI-compatible HTTP server (cpp-httplib): /v1/completions and
-// /v1/chat/completions (streaming or not), /v1/models, /health, /metrics.
+// /v1/chat/completions (streaming or not, n choices, tool calls, reasoning,
+// log-probabilities), /v1/models, /tokenize, /detokenize, /health, /metrics.
 // Each request is validated, submitted to the ServingEngine and answered from
 // its token events; a client that goes away cancels its request. A request
 // the engine fails is answered with OpenAI's error JSON (see complete()).
@@ -22,6 +23,8 @@ struct ServerOptions {
   int n_threads = 128;              // connections served at once
   size_t max_body_bytes = 4u << 20;  // larger bodies get 413
   int read_timeout_s = 20;          // a client that stops sending is dropped
+  std::string tool_call_parser = "auto";  // auto | hermes | llama3_json | none (auto: from the chat template)
+  std::string reasoning_parser = "auto";  // auto | on | off (auto: on when the chat template writes <think>)
 };
 
 // What the server uses of an engine: ServingEngine in `dflash serve`, a

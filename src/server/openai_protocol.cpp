@@ -2,6 +2,8 @@
 
 #include <set>
 
+#include "server/reasoning.h"
+#include "server/request_fields.h"
 #include "tokenizer/utf8.h"
 #include "util/error.h"
 
@@ -18,12 +20,12 @@ std::string error_json(const std::string& message, const std::string& type, cons
 
 namespace {
 
-[[noreturn]] void bad(const std::string& param, const std::string& message) { throw ApiError(400, message, param); }
+[[noreturn]] void bad(const std::string& param, const std::string& message) { bad_field(param, message); }
 
-const std::set<std::string> kCommonFields = {"model",  "max_tokens", "temperature",       "top_p",
-                                             "n",      "stream",     "stream_options",    "stop",
-                                             "seed",   "user",       "frequency_penalty", "presence_penalty",
-                                             "logit_bias", "logprobs",   "top_k"};
+const std::set<std::string> kCommonFields = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_k", "min_tokens",
+    "ignore_eos"};
 const std::set<std::string> kCompletionFields = {"prompt", "echo", "best_of", "suffix"};
 // OpenAI's roles; a template renders any string, so anything else is refused here.
 const std::set<std::string> kRoles = {"system", "developer", "user", "assistant", "tool", "function"};
@@ -35,11 +37,6 @@ const std::set<std::string> kChatFields = {"messages", "max_completion_tokens", 
 void require_neutral(const json& b, const std::string& key, const json& neutral, const std::string& why) {
   if (!b.contains(key) || b[key].is_null() || b[key] == neutral) return;
   bad(key, "'" + key + "' = " + b[key].dump() + " is not supported: " + why);
-}
-
-double number_field(const json& b, const std::string& key) {
-  if (!b[key].is_number()) bad(key, "'" + key + "' must be a number, got " + b[key].dump());
-  return b[key].get<double>();
 }
 
 int int_field(const json& b, const std::string& key) {
@@ -126,7 +123,7 @@ bool json_depth_exceeds(std::string_view text, size_t limit) {
   return false;
 }
 
-CompletionRequest parse_completion_request(const std::string& body, bool chat, const ProtocolContext& ctx) {
+nlohmann::ordered_json parse_body(const std::string& body) {
   if (const size_t at = utf8::first_invalid(body); at != std::string::npos)
     bad("", "the body is not valid UTF-8 (byte " + std::to_string(at) + ")");
   if (json_depth_exceeds(body, kMaxJsonDepth))
@@ -138,6 +135,32 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
     bad("", std::string("the body is not valid JSON: ") + e.what());
   }
   if (!b.is_object()) bad("", "the body must be a JSON object");
+  return b;
+}
+
+std::string render_chat(const nlohmann::ordered_json& b, const ProtocolContext& ctx, bool with_tools,
+                        bool add_generation_prompt) {
+  if (!ctx.chat_template) bad("messages", "this model has no chat template; use /v1/completions");
+  if (!b.contains("messages")) bad("messages", "'messages' is required");
+  ordered_json req = {{"messages", normalized_messages(b["messages"])}, {"add_generation_prompt", add_generation_prompt}};
+  if (with_tools) req["tools"] = b["tools"];
+  if (b.contains("chat_template_kwargs") && !b["chat_template_kwargs"].is_null()) {
+    if (!b["chat_template_kwargs"].is_object()) bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    for (const auto& [k, v] : b["chat_template_kwargs"].items()) {
+      if (k == "messages" || k == "tools" || k == "add_generation_prompt")
+        bad("chat_template_kwargs", "'chat_template_kwargs' cannot set '" + k + "'");
+      req[k] = v;
+    }
+  }
+  try {
+    return ctx.chat_template->render(req);
+  } catch (const Error& e) {
+    bad("messages", std::string("the chat template failed: ") + e.what());
+  }
+}
+
+CompletionRequest parse_completion_request(const std::string& body, bool chat, const ProtocolContext& ctx) {
+  const ordered_json b = parse_body(body);
   for (const auto& [k, v] : b.items()) {
     if (!kCommonFields.count(k) && !(chat ? kChatFields : kCompletionFields).count(k))
       bad(k, "unknown field '" + k + "'");
@@ -171,16 +194,14 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
                                                      : static_cast<uint64_t>(j["seed"].get<int64_t>());
     r.has_seed = true;
   }
-  require_neutral(j, "n", 1, "one choice per request");
-  require_neutral(j, "frequency_penalty", 0, "penalties are not implemented");
-  require_neutral(j, "presence_penalty", 0, "penalties are not implemented");
-  require_neutral(j, "logprobs", false, "log probabilities are not implemented");
+  read_int(j, "n", 1, kMaxChoices, r.n);
+  if (j.contains("best_of") && !j["best_of"].is_null() && j["best_of"] != r.n)
+    bad("best_of", "'best_of' must equal 'n' (choices are not ranked)");
+  read_penalties(j, ctx.tokenizer->vocab_size(), r.sampling);
+  read_bool(j, "ignore_eos", r.ignore_eos);
+  r.logprobs = read_logprobs(j, chat);
   require_neutral(j, "echo", false, "echo is not implemented");
-  require_neutral(j, "best_of", 1, "one choice per request");
   require_neutral(j, "suffix", "", "suffixes are not implemented");
-  require_neutral(j, "top_logprobs", 0, "log probabilities are not implemented");
-  if (j.contains("logit_bias") && !j["logit_bias"].is_null() && !j["logit_bias"].empty())
-    bad("logit_bias", "'logit_bias' is not supported");
   if (j.contains("response_format") && !j["response_format"].is_null() &&
       j["response_format"] != json{{"type", "text"}})
     bad("response_format", "only response_format {\"type\": \"text\"} is supported");
@@ -203,43 +224,31 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
   }
   if (j.contains("stop") && !j["stop"].is_null()) {
     const json& s = j["stop"];
-    if (s.is_string()) r.stop.push_back(s.get<std::string>());
+    if (s.is_string()) r.output.stop.push_back(s.get<std::string>());
     else if (s.is_array() && s.size() <= 16) {
       for (const auto& x : s) {
         if (!x.is_string()) bad("stop", "'stop' must be a string or a list of strings");
-        r.stop.push_back(x.get<std::string>());
+        r.output.stop.push_back(x.get<std::string>());
       }
     } else {
       bad("stop", "'stop' must be a string or a list of at most 16 strings");
     }
-    for (const auto& x : r.stop)
+    for (const auto& x : r.output.stop)
       if (x.empty()) bad("stop", "'stop' strings must not be empty");
   }
 
   if (chat) {
-    if (!ctx.chat_template) bad("messages", "this model has no chat template; use /v1/completions");
-    if (!b.contains("messages")) bad("messages", "'messages' is required");
-    ordered_json req = {{"messages", normalized_messages(b["messages"])}, {"add_generation_prompt", true}};
-    if (b.contains("tools") && !b["tools"].is_null()) {
-      if (!b["tools"].is_array()) bad("tools", "'tools' must be a list");
-      req["tools"] = b["tools"];
+    const ToolUse tools = read_tool_use(j);
+    if (tools.parse) {
+      r.output.tool_format = ctx.tool_format;
+      r.output.tools = j["tools"];
+      r.output.parallel_tool_calls = tools.parallel;
     }
-    if (b.contains("chat_template_kwargs") && !b["chat_template_kwargs"].is_null()) {
-      if (!b["chat_template_kwargs"].is_object()) bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
-      for (const auto& [k, v] : b["chat_template_kwargs"].items()) {
-        if (k == "messages" || k == "tools" || k == "add_generation_prompt")
-          bad("chat_template_kwargs", "'chat_template_kwargs' cannot set '" + k + "'");
-        req[k] = v;
-      }
-    }
-    std::string text;
-    try {
-      text = ctx.chat_template->render(req);
-    } catch (const Error& e) {
-      bad("messages", std::string("the chat template failed: ") + e.what());
-    }
+    const std::string text = render_chat(b, ctx, tools.render, true);
     r.prompt_ids = ctx.tokenizer->encode(text);
     r.extra_eos = ctx.chat_eos;
+    r.output.reasoning = ctx.reasoning;
+    r.output.starts_in_reasoning = ctx.reasoning && prompt_opens_think(text);
   } else {
     if (!j.contains("prompt")) bad("prompt", "'prompt' is required");
     r.prompt_ids = prompt_ids(j["prompt"], ctx);
@@ -258,6 +267,8 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
   } else {
     r.max_tokens = chat ? static_cast<int>(ctx.max_positions - n_prompt) : static_cast<int>(std::min<int64_t>(16, ctx.max_positions - n_prompt));
   }
+  read_int(j, "min_tokens", 0, r.max_tokens, r.sampling.min_tokens);
+  r.output.min_tokens = r.sampling.min_tokens;
   return r;
 }
 
@@ -270,44 +281,6 @@ std::optional<std::string> finish_reason_text(FinishReason r) {
     case FinishReason::Error: return std::nullopt;
   }
   return std::nullopt;
-}
-
-nlohmann::json usage_json(const Usage& u) {
-  return {{"prompt_tokens", u.prompt_tokens},
-          {"completion_tokens", u.completion_tokens},
-          {"total_tokens", u.prompt_tokens + u.completion_tokens}};
-}
-
-nlohmann::json completion_response(bool chat, const std::string& id, const std::string& model, int64_t created,
-                                   const std::string& text, const std::string& finish_reason, const Usage& u) {
-  json choice = {{"index", 0}, {"finish_reason", finish_reason}, {"logprobs", nullptr}};
-  if (chat) choice["message"] = {{"role", "assistant"}, {"content", text}};
-  else choice["text"] = text;
-  return {{"id", id},         {"object", chat ? "chat.completion" : "text_completion"},
-          {"created", created}, {"model", model},
-          {"choices", json::array({choice})}, {"usage", usage_json(u)}};
-}
-
-nlohmann::json completion_chunk(bool chat, const std::string& id, const std::string& model, int64_t created,
-                                const std::string& text, const std::string& finish_reason, bool first) {
-  json choice = {{"index", 0}, {"logprobs", nullptr}};
-  choice["finish_reason"] = finish_reason.empty() ? json(nullptr) : json(finish_reason);
-  if (chat) {
-    json delta = json::object();
-    if (first) delta["role"] = "assistant";
-    if (!text.empty() || first) delta["content"] = text;
-    choice["delta"] = delta;
-  } else {
-    choice["text"] = text;
-  }
-  return {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created},
-          {"model", model}, {"choices", json::array({choice})}};
-}
-
-nlohmann::json usage_chunk(bool chat, const std::string& id, const std::string& model, int64_t created, const Usage& u) {
-  return {{"id", id},         {"object", chat ? "chat.completion.chunk" : "text_completion"},
-          {"created", created}, {"model", model},
-          {"choices", json::array()}, {"usage", usage_json(u)}};
 }
 
 }  // namespace dflash::server

@@ -14,6 +14,7 @@
 
 #include "engine/engine.h"
 #include "formats/chat_template.h"
+#include "server/choice_output.h"
 #include "tokenizer/tokenizer.h"
 
 namespace dflash::server {
@@ -37,17 +38,24 @@ struct ProtocolContext {
   int max_positions = 0;                        // the model's context
   std::vector<int32_t> chat_eos;                // the chat template's end-of-turn token
   SamplingParams default_sampling;              // for fields a request leaves out (generation_config.json)
+  ToolCallFormat tool_format = ToolCallFormat::Hermes;  // how chat requests with tools get their calls parsed
+  bool reasoning = false;                       // split <think> blocks into reasoning_content
 };
+
+inline constexpr int kMaxChoices = 16, kMaxLogprobs = 20;
 
 struct CompletionRequest {
   bool chat = false;
   std::vector<int32_t> prompt_ids;
   int max_tokens = 16;
-  std::vector<std::string> stop;
+  int n = 1;                                    // choices; choice i samples with seed + i
+  int logprobs = -1;                            // top entries per token (0: the chosen token's only); -1: none
+  bool ignore_eos = false;
   bool stream = false, include_usage = false;
   std::vector<int32_t> extra_eos;
   SamplingParams sampling;                      // seed meaningful only when has_seed
   bool has_seed = false;
+  OutputOptions output;                         // stop strings, reasoning and tool-call parsing
 };
 
 // Requests with tool JSON schemas nest about 10 levels; 128 leaves ample room.
@@ -59,6 +67,12 @@ inline constexpr size_t kMaxJsonDepth = 128;
 // Brackets inside strings (escapes included) do not count; no recursion.
 bool json_depth_exceeds(std::string_view text, size_t limit);
 
+// A request body as a JSON object; ApiError (400) for bad UTF-8, JSON or nesting.
+nlohmann::ordered_json parse_body(const std::string& body);
+// The prompt text of a chat body (`messages`, `chat_template_kwargs`, and `tools` when with_tools).
+std::string render_chat(const nlohmann::ordered_json& b, const ProtocolContext& ctx, bool with_tools,
+                        bool add_generation_prompt);
+
 // Throws ApiError (400) naming the field for anything malformed or unsupported,
 // 404 for another model's name.
 CompletionRequest parse_completion_request(const std::string& body, bool chat, const ProtocolContext& ctx);
@@ -67,17 +81,5 @@ CompletionRequest parse_completion_request(const std::string& body, bool chat, c
 // "length" (max_tokens, or the context is full). Cancelled (the client left)
 // and Error (answered with an error instead) have none.
 std::optional<std::string> finish_reason_text(FinishReason r);
-
-// Response bodies. `id` like "cmpl-12"; finish_reason "stop" or "length".
-struct Usage {
-  int prompt_tokens = 0, completion_tokens = 0;
-};
-nlohmann::json usage_json(const Usage& u);
-nlohmann::json completion_response(bool chat, const std::string& id, const std::string& model, int64_t created,
-                                   const std::string& text, const std::string& finish_reason, const Usage& u);
-// A stream chunk; `first` adds the assistant role (chat), finish_reason empty = null.
-nlohmann::json completion_chunk(bool chat, const std::string& id, const std::string& model, int64_t created,
-                                const std::string& text, const std::string& finish_reason, bool first);
-nlohmann::json usage_chunk(bool chat, const std::string& id, const std::string& model, int64_t created, const Usage& u);
 
 }  // namespace dflash::server

@@ -1,11 +1,12 @@
 #include "server/text_stream.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace dflash::server {
 
-TextStream::TextStream(const Tokenizer& tok, std::vector<std::string> stops)
-    : decoder_(tok, /*skip_special_tokens=*/true), stops_(std::move(stops)) {
+TextStream::TextStream(const Tokenizer& tok, std::vector<std::string> stops, int min_tokens)
+    : decoder_(tok, /*skip_special_tokens=*/true), stops_(std::move(stops)), min_tokens_(min_tokens) {
   stops_.erase(std::remove(stops_.begin(), stops_.end(), std::string()), stops_.end());
   for (const auto& s : stops_) max_stop_ = std::max(max_stop_, s.size());
 }
@@ -13,6 +14,7 @@ TextStream::TextStream(const Tokenizer& tok, std::vector<std::string> stops)
 std::string TextStream::push(int32_t token) {
   if (stopped_) return {};
   held_ += decoder_.push(token);
+  if (++n_tokens_ < min_tokens_) return std::exchange(held_, {});
   return take_safe_prefix();
 }
 

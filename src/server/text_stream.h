@@ -13,7 +13,8 @@ namespace dflash::server {
 
 class TextStream {
  public:
-  TextStream(const Tokenizer& tok, std::vector<std::string> stops);
+  // Stop strings are looked for from the min_tokens-th token on (vLLM's min_tokens).
+  TextStream(const Tokenizer& tok, std::vector<std::string> stops, int min_tokens = 0);
 
   // Text that can be sent after `token`; empty while held back. After a stop
   // string is seen, stopped() is true and further tokens add nothing.
@@ -28,6 +29,7 @@ class TextStream {
   StreamDecoder decoder_;
   std::vector<std::string> stops_;
   size_t max_stop_ = 0;
+  int min_tokens_ = 0, n_tokens_ = 0;
   std::string held_;   // decoded, not yet sent
   bool stopped_ = false;
 };

@@ -234,7 +234,7 @@ test('bad input gets a clear 4xx in OpenAI error shape, and the server keeps ser
     ['temperature out of range', JSON.stringify({ model: MODEL, prompt: 'a', temperature: 3 }), 400, /temperature/],
     ['top_p of 0', JSON.stringify({ model: MODEL, prompt: 'a', top_p: 0 }), 400, /top_p/],
     ['top_k not an integer', JSON.stringify({ model: MODEL, prompt: 'a', top_k: 2.5 }), 400, /top_k/],
-    ['n = 2', JSON.stringify({ model: MODEL, prompt: 'a', n: 2 }), 400, /'n'/],
+    ['n = 17', JSON.stringify({ model: MODEL, prompt: 'a', n: 17 }), 400, /'n'/],
     ['unknown model', JSON.stringify({ model: 'gpt-9', prompt: 'a' }), 404, /does not exist/],
     ['chat: bad messages', JSON.stringify({ model: MODEL, messages: 'hi' }), 400, /messages/],
     ['chat: unknown role', JSON.stringify({ model: MODEL, messages: [{ role: 'bogus', content: 'x' }] }), 400,

@@ -48,13 +48,16 @@ TEST_F(CudaEngine, TargetLogitsTrackTheCpuBackend) {
   auto cpu = make_cpu_backend();
   std::mt19937 rng(7);
   for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3",
-                           "qwen3_moe_tied", "qwen3_moe_untied_bf16"}) {
+                           "qwen3_moe_tied", "qwen3_moe_untied_bf16",
+                           "trained_qwen3_moe"}) {
     const std::string dir = fixture(std::string("targets/") + name);
     std::vector<int32_t> prompt(100);
     for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
     const double err = test::rel_l2_error(prefill_logits(*gpu, dir, prompt), prefill_logits(*cpu, dir, prompt));
     std::printf("[%s] prefill logits, 100 tokens: rel. L2 error %.2e vs the fp32 CPU backend\n", name, err);
-    EXPECT_LE(err, 2e-2) << name;
+    // Routed targets: bf16 router logits move the expert weights by up to about 1% (the kernel
+    // itself is held to 3e-3 against a reference with its rounding points, test_cuda_kernels.cpp).
+    EXPECT_LE(err, std::string(name).find("moe") != std::string::npos ? 4e-2 : 2e-2) << name;
   }
 }
 
@@ -63,7 +66,8 @@ TEST_F(CudaEngine, TargetLogitsTrackTheCpuBackend) {
 // 8-row block (25 rows: the skinny products' batch-invariant range), each over its own cached prefix.
 TEST_F(CudaEngine, RoutedRowsAreBitIdenticalAloneAndInABatch) {
   auto be = make_cuda_backend();
-  for (const char* name : {"qwen3_moe_tied", "qwen3_moe_untied_bf16"}) {
+  for (const char* name : {"qwen3_moe_tied", "qwen3_moe_untied_bf16",
+                           "trained_qwen3_moe"}) {
     TargetModel m(*be, fixture(std::string("targets/") + name));
     const int page = 16;
     KvCache cache = m.alloc_cache(24, page);
@@ -130,7 +134,8 @@ double expect_lossless(Engine& engine, const std::vector<std::vector<int32_t>>& 
 
 TEST_F(CudaEngine, DFlashEqualsPlainGreedyForFixturePairs) {
   for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3",
-                           "qwen3_moe_tied", "qwen3_moe_untied_bf16"}) {
+                           "qwen3_moe_tied", "qwen3_moe_untied_bf16",
+                           "trained_qwen3_moe"}) {
     const auto meta = test::read_json(fixture(std::string("expected/") + name + ".json"));
     EngineOptions eo;
     eo.device = "cuda";

@@ -83,6 +83,13 @@ struct MoeWeights {
   bool empty() const { return router.empty(); }
 };
 
+// Working memory of Backend::moe for up to `rows` rows: act [rows * top_k, n_ff] and y [rows *
+// top_k, n_embd] from alloc (a graph's temporaries are not reused within it, so a stack of routed
+// layers shares one).
+struct MoeScratch {
+  Tensor act, y;
+};
+
 // Shape of an upload: checkpoint tensors stacked along rows (2-D, same column
 // count) or 1-D tensors concatenated into one row. Throws Error naming the
 // tensors when they cannot be stacked.
@@ -243,8 +250,10 @@ class Backend {
   // the lower index on ties) with weights p, divided by their sum with norm_topk_prob; then
   // out[r] = sum over those experts in increasing expert index of weight * down_e(swiglu(gate_up_e(x[r]))).
   // A row's result never depends on the other rows of the call. expert_rows (optional, I32
-  // [n_experts, 1]) receives how many rows each expert was given.
-  virtual void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows = nullptr) = 0;
+  // [n_experts, 1]) receives how many rows each expert was given. scratch (optional, see
+  // MoeScratch) is working memory a caller running many layers allocates once.
+  virtual void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows = nullptr,
+                   MoeScratch* scratch = nullptr) = 0;
   // out[i] = src[rows[i]]  (out may be a column slice of a wider tensor)
   virtual void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) = 0;
   // Index of the largest value per row (first on ties).

@@ -110,6 +110,11 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   for (const LayerWeights& w : layers) dense = dense || w.moe.empty();
   Tensor gate_up = dense ? be.alloc(n, 2 * int64_t{c.n_ff}) : Tensor{};
   Tensor act = dense ? be.alloc(n, c.n_ff) : Tensor{};
+  MoeScratch moe_scratch;
+  if (!c.moe_layer.empty()) {
+    moe_scratch.act = be.alloc(n * c.moe.top_k, c.moe.n_ff);
+    moe_scratch.y = be.alloc(n * c.moe.top_k, c.n_embd);
+  }
   // The residual stream (float32: the layers' outputs add up unrounded) alternates between x
   // and x2: a product that normalizes its own input reads one while it stores residual + delta
   // to the other.
@@ -145,7 +150,7 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     if (!w.moe.empty()) {
       be.norm_in(mlp_in, h);
       std::swap(cur, next);
-      be.moe(h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr);
+      be.moe(h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr, &moe_scratch);
       continue;
     }
     be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), act, &gate_up);

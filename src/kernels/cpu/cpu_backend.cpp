@@ -281,7 +281,7 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows) override {
+  void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows, MoeScratch*) override {
     check_moe(x, w, out, expert_rows);
     const int64_t h = x.cols, ff = w.n_ff;
     std::vector<std::vector<std::pair<int, float>>> routes(static_cast<size_t>(x.rows));

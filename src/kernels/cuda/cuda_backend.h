@@ -97,7 +97,8 @@ class CudaBackend final : public Backend {
                      const std::vector<float>& inv_freq, const std::vector<int32_t>& slots, Tensor& k_cache,
                      Tensor& v_cache, const std::vector<AttentionSegment>& segments,
                      const std::vector<int32_t>& positions, const AttentionParams& p, Tensor& out) override;
-  void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows) override;  // cuda_moe_ops.cpp
+  void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
+           MoeScratch* scratch) override;  // cuda_moe_ops.cpp
   void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) override;
   std::vector<int32_t> argmax_rows(const Tensor& x) override;
   Tensor alloc_ids(int64_t n) override { return alloc_as(n, 1, DType::I32); }

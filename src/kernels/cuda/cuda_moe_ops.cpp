@@ -8,7 +8,7 @@
 
 namespace dflash::cuda {
 
-void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows) {
+void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows, MoeScratch* scratch) {
   check_moe(x, w, out, expert_rows);
   require_bf16(x, "moe input");
   require_bf16(w.router, "moe router");
@@ -38,7 +38,12 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
                      static_cast<float*>(weight_of_pair.data), i32(pair_list), i32(items), i32(n_items), i32(counts), s);
   });
 
-  Tensor act = alloc(pairs, ff), y = alloc(pairs, h);
+  if (scratch) {
+    check(scratch->act.rows >= pairs && scratch->act.cols == ff && scratch->y.rows >= pairs && scratch->y.cols == h,
+          "cuda backend: moe scratch too small for ", pairs, " pairs");
+  }
+  Tensor act = scratch ? scratch->act.slice_rows(0, pairs) : alloc(pairs, ff);
+  Tensor y = scratch ? scratch->y.slice_rows(0, pairs) : alloc(pairs, h);
   RoutedRows rows{i32(items), i32(n_items), i32(pair_list), w.top_k, 2 * ff * w.gate_up.stride};
   const Mat gate_up{static_cast<bf16*>(w.gate_up.data), 2 * ff, h, w.gate_up.stride};  // expert 0's
   staging_.launch([&](cudaStream_t s) {

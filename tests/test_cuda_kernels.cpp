@@ -721,8 +721,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
 
 // The routed MLP against a float64 reference with the GPU's rounding points (router logits, the
 // SwiGLU activation and each expert's output rounded to bf16, weights and sum in high precision),
-// and against the CPU backend (float32, nothing rounded: bf16 logits move the expert weights by
-// up to about 1%, hence its wider bound), per token where the router's k-th and (k+1)-th logits
+// and against the CPU backend (float32, nothing rounded: bf16 logits of magnitude 4 move each
+// expert's weight by up to 1.6%, and a row by up to about 5% measured; a bound against gross
+// errors), per token where the router's k-th and (k+1)-th logits
 // are far enough apart that both choose the same experts; rows bit-identical alone, in a 3-row
 // batch and in the whole batch; a graph replay gives the direct call's bits.
 TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
@@ -737,7 +738,34 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
     const std::string what = std::to_string(c.m) + " rows, top " + std::to_string(c.top_k) + " of " +
                              std::to_string(c.n_experts) + ", h " + std::to_string(c.h);
     const float router_scale = 6.0f / std::sqrt(static_cast<float>(c.h));
-    auto x = random(c.m, c.h), router = random(c.n_experts, c.h, router_scale);
+    auto router = random(c.n_experts, c.h, router_scale);
+    // bf16 router logits of a row (what the GPU routes by), in float64 from the bf16 inputs.
+    auto row_logits = [&](const float* xr) {
+      std::vector<double> logit(c.n_experts);
+      for (int e = 0; e < c.n_experts; ++e) {
+        double d = 0;
+        for (int k = 0; k < c.h; ++k) d += double{xr[k]} * router.host[static_cast<size_t>(e) * c.h + k];
+        logit[e] = bf(d);
+      }
+      return logit;
+    };
+    // Whether the row's k-th and (k+1)-th logits are at least 0.05 apart: then float32 and bf16
+    // logits choose the same experts.
+    auto clear_routing = [&](const std::vector<double>& logit) {
+      if (c.top_k == c.n_experts) return true;
+      std::vector<double> l = logit;
+      std::sort(l.begin(), l.end(), std::greater<double>());
+      return l[c.top_k - 1] - l[c.top_k] >= 0.05;
+    };
+    // Inputs with at least half the rows clearly routed (a single row: that one).
+    Pair x;
+    for (int attempt = 0;; ++attempt) {
+      x = random(c.m, c.h);
+      int clear = 0;
+      for (int r = 0; r < c.m; ++r) clear += clear_routing(row_logits(&x.host[static_cast<size_t>(r) * c.h]));
+      if (clear >= (c.m + 1) / 2) break;
+      ASSERT_LT(attempt, 20) << what << ": no inputs with clear routing";
+    }
     auto gate_up = random(int64_t{c.n_experts} * 2 * c.ff, c.h, 1.7f / std::sqrt(static_cast<float>(c.h)));
     auto down = random(int64_t{c.n_experts} * c.h, c.ff, 1.7f / std::sqrt(static_cast<float>(c.ff)));
     auto weights = [&](bool on_gpu) {
@@ -758,25 +786,20 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
     cpu->moe(x.c, wc, out.c, &counts_c);
 
     const auto gh = gpu->to_host(out.g), ch = cpu->to_host(out.c);
-    const std::vector<float>&xh = x.host, &rh = router.host, &guh = gate_up.host, &dh = down.host;
+    const std::vector<float>&xh = x.host, &guh = gate_up.host, &dh = down.host;
     int safe = 0;
     bool all_safe = true;
     for (int r = 0; r < c.m; ++r) {
       const float* xr = &xh[static_cast<size_t>(r) * c.h];
-      std::vector<double> logit(c.n_experts);
-      for (int e = 0; e < c.n_experts; ++e) {
-        double d = 0;
-        for (int k = 0; k < c.h; ++k) d += double{xr[k]} * rh[static_cast<size_t>(e) * c.h + k];
-        logit[e] = bf(d);
-      }
-      std::vector<int> order(c.n_experts);
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](int a, int b) { return logit[a] > logit[b] || (logit[a] == logit[b] && a < b); });
-      if (c.top_k < c.n_experts && logit[order[c.top_k - 1]] - logit[order[c.top_k]] < 0.05) {
+      const std::vector<double> logit = row_logits(xr);
+      if (!clear_routing(logit)) {
         all_safe = false;
         continue;
       }
       ++safe;
+      std::vector<int> order(c.n_experts);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return logit[a] > logit[b] || (logit[a] == logit[b] && a < b); });
       const double mx = logit[order[0]];
       double sum = 0, top_sum = 0;
       for (double l : logit) sum += std::exp(l - mx);
@@ -802,7 +825,7 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
       const std::vector<float> g(gh.begin() + int64_t{r} * c.h, gh.begin() + int64_t{r + 1} * c.h);
       const std::vector<float> cc(ch.begin() + int64_t{r} * c.h, ch.begin() + int64_t{r + 1} * c.h);
       EXPECT_LE(test::rel_l2_error(g, std::vector<float>(ref.begin(), ref.end())), 3e-3) << what << ", row " << r;
-      EXPECT_LE(test::rel_l2_error(g, cc), 3e-2) << what << ", row " << r << " against the CPU backend";
+      EXPECT_LE(test::rel_l2_error(g, cc), 1e-1) << what << ", row " << r << " against the CPU backend";
     }
     EXPECT_GE(safe, (c.m + 1) / 2) << what << ": too few rows with a clear routing to compare";
     if (all_safe) {

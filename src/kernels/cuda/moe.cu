@@ -7,6 +7,7 @@
 // writes its own output row, so results do not depend on it.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cfloat>
 
 #include "kernels/cuda/device_math.cuh"
@@ -16,14 +17,14 @@
 namespace dflash::cuda {
 namespace {
 
-constexpr int kRouteThreads = 1024;
 constexpr int kMaxTopK = 32;
-constexpr int kPerLane = kMoeMaxExperts / 32;  // experts a lane looks after
 
 // The better of two candidates: larger probability, else the lower expert index.
 __device__ __forceinline__ bool better(float p, int e, float q, int f) { return p > q || (p == q && e < f); }
 
-__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const bf16* __restrict__ logits, int64_t stride,
+// kPerLane: experts a lane looks after (E <= 32 * kPerLane); a warp routes a token.
+template <int kPerLane>
+__global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict__ logits, int64_t stride,
                                                                   int M, int E, int top_k, bool norm, int tile_rows,
                                                                   int32_t* __restrict__ expert_of_pair,
                                                                   float* __restrict__ weight_of_pair,
@@ -100,16 +101,25 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const bf16* __
   }
   __syncthreads();
 
-  // Where each expert's pairs and work items begin (one thread: at most kMoeMaxExperts steps).
-  if (threadIdx.x == 0) {
+  // Where each expert's pairs and work items begin: warp 0 scans the experts 32 at a time.
+  if (warp == 0) {
     int pair = 0, item = 0;
-    for (int e = 0; e < E; ++e) {
-      first[e] = pair;
-      first_item[e] = item;
-      pair += count[e];
-      item += (count[e] + tile_rows - 1) / tile_rows;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      const int n = e < E ? count[e] : 0, chunks = (n + tile_rows - 1) / tile_rows;
+      int pairs_before = n, items_before = chunks;  // inclusive scans over the lanes
+      for (int o = 1; o < 32; o *= 2) {
+        const int p = __shfl_up_sync(0xffffffffu, pairs_before, o), i = __shfl_up_sync(0xffffffffu, items_before, o);
+        if (lane >= o) pairs_before += p, items_before += i;
+      }
+      if (e < E) {
+        first[e] = pair + pairs_before - n;
+        first_item[e] = item + items_before - chunks;
+      }
+      pair += __shfl_sync(0xffffffffu, pairs_before, 31);
+      item += __shfl_sync(0xffffffffu, items_before, 31);
     }
-    *n_items = item;
+    if (lane == 0) *n_items = item;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -155,9 +165,17 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16
 void launch_moe_route(const Mat& logits, int top_k, bool norm, int tile_rows, int32_t* expert_of_pair,
                       float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* expert_rows,
                       cudaStream_t s) {
-  launch(moe_route_kernel, dim3(1), dim3(kRouteThreads), s, logits.data, logits.stride, static_cast<int>(logits.rows),
-         static_cast<int>(logits.cols), top_k, norm, tile_rows, expert_of_pair, weight_of_pair, pairs, items, n_items,
-         expert_rows);
+  // A warp a token, up to 32 warps; the fewest experts a lane that cover E.
+  const int m = static_cast<int>(logits.rows), e = static_cast<int>(logits.cols);
+  const dim3 threads(32 * std::min(32, std::max(4, m)));
+  auto go = [&](auto kernel) {
+    launch(kernel, dim3(1), threads, s, logits.data, logits.stride, m, e, top_k, norm, tile_rows, expert_of_pair,
+           weight_of_pair, pairs, items, n_items, expert_rows);
+  };
+  if (e <= 128) go(moe_route_kernel<4>);
+  else if (e <= 256) go(moe_route_kernel<8>);
+  else if (e <= 512) go(moe_route_kernel<16>);
+  else go(moe_route_kernel<32>);
 }
 
 void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s) {

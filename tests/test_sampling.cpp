@@ -14,6 +14,7 @@
 #include <cstdlib>
 
 #include "engine/engine.h"
+#include "engine/logits_processing.h"
 #include "engine/sampling.h"
 #include "test_util.h"
 #include "util/error.h"
@@ -310,6 +311,138 @@ TEST(SampledDecoding, RejectionSchemeKeepsTheTargetsDistribution) {
   }
   std::printf("rejection scheme: tau %.3f\n", tau_sum / static_cast<double>(steps));
   EXPECT_GT(tau_sum / static_cast<double>(steps), 1.2);
+}
+
+TEST(LogitsProcessing, BiasMinTokensAndPenaltiesInVllmsOrder) {
+  SamplingParams p;
+  p.logit_bias = {{1, 2.0f}, {4, -1.0f}};
+  p.min_tokens = 4;
+  p.repetition_penalty = 2.0f;
+  p.frequency_penalty = 0.5f;
+  p.presence_penalty = 0.25f;
+  const std::unordered_set<int32_t> eos = {5};
+  // Prompt {0, 1}; outputs so far {2, 2}; then the pending token 3.
+  const std::vector<int32_t> tokens = {0, 1, 2, 2};
+  LogitsProcessor proc(p, eos, tokens, 2);
+  proc.push(3);
+  std::vector<float> row = {1.0f, -1.0f, 3.0f, -2.0f, 0.5f, 7.0f, 1.5f};
+  proc.apply(row.data(), static_cast<int64_t>(row.size()));
+  EXPECT_FLOAT_EQ(row[0], 0.5f);                        // prompt token, positive: halved
+  EXPECT_FLOAT_EQ(row[1], (-1.0f + 2.0f) / 2.0f);       // biased to 1, then halved
+  EXPECT_FLOAT_EQ(row[2], 3.0f / 2.0f - 2 * 0.5f - 0.25f);  // output twice
+  EXPECT_FLOAT_EQ(row[3], -2.0f * 2.0f - 0.5f - 0.25f);     // output once, negative: doubled
+  EXPECT_FLOAT_EQ(row[4], -0.5f);                       // bias only
+  EXPECT_EQ(row[5], -INFINITY);                         // EOS: only 3 of min_tokens 4 generated
+  EXPECT_FLOAT_EQ(row[6], 1.5f);
+  proc.push(6);  // the 4th output: EOS allowed again
+  std::vector<float> row2 = {0, 0, 0, 0, 0, 7.0f, 0};
+  proc.apply(row2.data(), 7);
+  EXPECT_FLOAT_EQ(row2[5], 7.0f);
+}
+
+TEST(LogitsProcessing, LogprobsAreTheLogSoftmaxWithTheTopEntries) {
+  const std::vector<float> row = {1.0f, 3.0f, 3.0f, -2.0f, 0.0f};
+  double z = 0;
+  for (float v : row) z += std::exp(static_cast<double>(v));
+  const TokenLogprobs lp = logprobs_of(row.data(), 5, 4, 3);
+  EXPECT_NEAR(lp.logprob, -std::log(z), 1e-6);
+  ASSERT_EQ(lp.top.size(), 3u);
+  EXPECT_EQ(lp.top[0].first, 1);  // ties: the lower id first
+  EXPECT_EQ(lp.top[1].first, 2);
+  EXPECT_EQ(lp.top[2].first, 0);
+  EXPECT_NEAR(lp.top[2].second, 1.0 - std::log(z), 1e-6);
+  EXPECT_EQ(argmax(row.data(), 5), 1);
+}
+
+GenerationResult run_with(Engine& e, const std::vector<int32_t>& prompt, SpeculativeMode mode, const GenerateOptions& base,
+                          SpecSampling scheme = SpecSampling::Match) {
+  GenerateOptions go = base;
+  go.mode = mode;
+  go.spec_sampling = scheme;
+  return e.generate(prompt, go);
+}
+
+// Each processing setting, greedy and sampled: DFlash gives plain decoding's tokens and, exactly
+// (the CPU backend's rows are batch-independent), its log-probabilities.
+TEST(SampledDecoding, LogitsProcessingAndLogprobsAreTheSameWithDFlash) {
+  Engine engine = trained_engine();
+  const auto prompts = trained_prompts();
+  GenerateOptions base;
+  base.max_tokens = 32;
+  base.logprobs = 5;
+  const auto reference = run_with(engine, prompts[0], SpeculativeMode::None, base);
+  const int32_t frequent = reference.tokens[3];
+  std::vector<std::pair<std::string, SamplingParams>> settings;
+  auto add = [&](const std::string& name, auto set) {
+    for (float t : {0.0f, 0.8f}) {
+      SamplingParams p(t, t > 0 ? 20 : 0, 1.0f, 99);
+      set(p);
+      settings.emplace_back(name + (t > 0 ? " sampled" : " greedy"), p);
+    }
+  };
+  add("presence", [](SamplingParams& p) { p.presence_penalty = 1.5f; });
+  add("frequency", [](SamplingParams& p) { p.frequency_penalty = 0.8f; });
+  add("repetition", [](SamplingParams& p) { p.repetition_penalty = 1.6f; });
+  add("logit_bias", [&](SamplingParams& p) { p.logit_bias = {{frequent, -3.0f}, {7, 1.5f}}; });
+  add("min_tokens", [&](SamplingParams& p) { p.min_tokens = 12; });
+  add("all", [&](SamplingParams& p) {
+    p.presence_penalty = 0.5f;
+    p.frequency_penalty = -0.3f;
+    p.repetition_penalty = 1.2f;
+    p.logit_bias = {{frequent, 2.0f}};
+    p.min_tokens = 5;
+  });
+  int changed = 0;
+  for (const auto& [name, sp] : settings) {
+    for (size_t i = 0; i < 4; ++i) {
+      GenerateOptions go = base;
+      go.sampling = sp;
+      if (name.starts_with("min_tokens")) go.eos_ids = {frequent};  // a token the model writes early
+      const auto plain = run_with(engine, prompts[i], SpeculativeMode::None, go);
+      const auto spec = run_with(engine, prompts[i], SpeculativeMode::DFlash, go);
+      ASSERT_EQ(spec.tokens, plain.tokens) << name << ", prompt " << i;
+      ASSERT_EQ(spec.logprobs.size(), spec.tokens.size()) << name;
+      for (size_t k = 0; k < plain.logprobs.size(); ++k) {
+        ASSERT_EQ(spec.logprobs[k].logprob, plain.logprobs[k].logprob) << name << ", prompt " << i << ", token " << k;
+        ASSERT_EQ(spec.logprobs[k].top, plain.logprobs[k].top) << name << ", prompt " << i << ", token " << k;
+        ASSERT_EQ(plain.logprobs[k].top.size(), 5u);
+      }
+      if (name.starts_with("min_tokens")) {
+        const auto first_eos = std::find(plain.tokens.begin(), plain.tokens.end(), frequent);
+        EXPECT_TRUE(first_eos == plain.tokens.end() || first_eos - plain.tokens.begin() >= 11) << name;
+      }
+      GenerateOptions bare = go;
+      bare.sampling = SamplingParams(sp.temperature, sp.top_k, sp.top_p, sp.seed);
+      changed += run_with(engine, prompts[i], SpeculativeMode::None, bare).tokens != plain.tokens;
+    }
+  }
+  EXPECT_GT(changed, static_cast<int>(settings.size()));  // the settings do change the output
+  // Greedy log-probabilities: the chosen token is the top entry.
+  for (size_t k = 0; k < reference.tokens.size(); ++k) {
+    EXPECT_EQ(reference.logprobs[k].top[0].first, reference.tokens[k]);
+    EXPECT_EQ(reference.logprobs[k].top[0].second, reference.logprobs[k].logprob);
+    EXPECT_LE(reference.logprobs[k].logprob, 0.0f);
+  }
+}
+
+// A bias of +100 makes one token certain: every scheme must then write only it (the resample of
+// the rejection scheme included, which draws from the processed distribution).
+TEST(SampledDecoding, AForcingLogitBiasHoldsInEveryScheme) {
+  Engine engine = trained_engine();
+  const auto prompts = trained_prompts();
+  GenerateOptions go;
+  go.max_tokens = 24;
+  go.use_default_eos = false;
+  for (float t : {0.0f, 1.0f}) {
+    go.sampling = SamplingParams(t, 0, 1.0f, 5);
+    go.sampling.logit_bias = {{11, 100.0f}};
+    for (SpecSampling scheme : {SpecSampling::Match, SpecSampling::Rejection}) {
+      for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+        const auto r = run_with(engine, prompts[1], mode, go, scheme);
+        EXPECT_EQ(r.tokens, std::vector<int32_t>(24, 11)) << "temperature " << t;
+      }
+    }
+  }
 }
 
 }  // namespace

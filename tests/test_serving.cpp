@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "engine/engine.h"
@@ -242,6 +243,96 @@ TEST(Serving, CancelFreesPagesAndBadRequestsAreRefused) {
   RequestParams too_long;
   too_long.prompt.assign(static_cast<size_t>(server.target_config().max_positions), 5);
   EXPECT_NE(refused(too_long).find("context"), std::string::npos);
+}
+
+// n > 1: choices submitted together, each with its own seed; the later ones wait for the first's
+// prefill and map its prompt pages. Each equals one request alone with its seed, logits processing
+// and log-probabilities included, plain and DFlash.
+TEST(Serving, ChoicesShareThePromptsPagesAndEachEqualsItsSeedAlone) {
+  const Pair pair = trained_pair();
+  EngineOptions eo;
+  eo.model_dir = pair.target;
+  eo.draft_dir = pair.draft;
+  eo.page_size = 4;
+  std::vector<int32_t> prompt = pair.prompts[0];
+  prompt.insert(prompt.end(), pair.prompts[1].begin(), pair.prompts[1].end());
+  Engine engine(eo);
+  for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+    ServingOptions so;
+    so.engine = eo;
+    so.mode = mode;
+    so.max_tokens_per_step = 16;  // the prompt takes several prefill steps
+    ServingEngine server(so);
+    Collector col;
+    std::map<uint64_t, std::vector<TokenLogprobs>> logprobs;
+    const int n = 4;
+    std::vector<uint64_t> ids(n);
+    RequestParams rp;
+    rp.prompt = prompt;
+    rp.max_tokens = 20;
+    rp.logprobs = 2;
+    rp.sampling = SamplingParams(0.9f, 0, 1.0f, 300);
+    rp.sampling.presence_penalty = 0.7f;
+    rp.sampling.logit_bias = {{3, 1.0f}};
+    {
+      std::lock_guard<std::mutex> lk(col.mu);
+      for (int i = 0; i < n; ++i) {
+        RequestParams c = rp;
+        c.sampling.seed += static_cast<uint64_t>(i);
+        c.share_prefix_with = i > 0 ? ids[0] : 0;
+        auto collect = col.callback_for(&ids[static_cast<size_t>(i)]);
+        ids[static_cast<size_t>(i)] = server.submit(c, [&, collect, slot = &ids[static_cast<size_t>(i)]](const TokenEvent& e) {
+          logprobs[*slot].insert(logprobs[*slot].end(), e.logprobs.begin(), e.logprobs.end());
+          collect(e);
+        });
+      }
+    }
+    col.wait_for(n);
+    EXPECT_GE(server.stats().prefix_hit_pages, static_cast<int64_t>((n - 1) * (prompt.size() / 4 - 1)));
+    std::set<std::vector<int32_t>> distinct;
+    for (int i = 0; i < n; ++i) {
+      GenerateOptions go;
+      go.max_tokens = rp.max_tokens;
+      go.mode = SpeculativeMode::None;
+      go.sampling = rp.sampling;
+      go.sampling.seed += static_cast<uint64_t>(i);
+      go.logprobs = 2;
+      const auto ref = engine.generate(prompt, go);
+      const uint64_t id = ids[static_cast<size_t>(i)];
+      EXPECT_EQ(col.tokens[id], ref.tokens) << "choice " << i;
+      ASSERT_EQ(logprobs[id].size(), ref.logprobs.size());
+      for (size_t k = 0; k < ref.logprobs.size(); ++k) {
+        EXPECT_EQ(logprobs[id][k].logprob, ref.logprobs[k].logprob);
+        EXPECT_EQ(logprobs[id][k].top, ref.logprobs[k].top);
+      }
+      distinct.insert(ref.tokens);
+    }
+    EXPECT_GT(distinct.size(), 1u) << "the choices' seeds should differ";
+    EXPECT_EQ(server.stats().kv_pages_used, 0);
+  }
+}
+
+TEST(Serving, IgnoreEosRunsToMaxTokens) {
+  const Pair pair = trained_pair();
+  ServingOptions so;
+  so.engine.model_dir = pair.target;
+  so.engine.draft_dir = pair.draft;
+  ServingEngine server(so);
+  Collector col;
+  uint64_t id = 0;
+  RequestParams rp;
+  rp.prompt = pair.prompts[2];
+  rp.max_tokens = 30;
+  rp.extra_eos.assign(64, 0);
+  for (int32_t t = 0; t < 64; ++t) rp.extra_eos[static_cast<size_t>(t)] = t;  // most tokens would end it
+  rp.ignore_eos = true;
+  {
+    std::lock_guard<std::mutex> lk(col.mu);
+    id = server.submit(rp, col.callback_for(&id));
+  }
+  col.wait_for(1);
+  EXPECT_EQ(col.tokens[id].size(), 30u);
+  EXPECT_EQ(col.reasons[id], FinishReason::Length);
 }
 
 }  // namespace

@@ -58,6 +58,9 @@ Command add_serve(CLI::App& app) {
   app.add_option("--read-timeout", a->http.read_timeout_s, "seconds a client may stall while sending (default 20)")
       ->check(CLI::Range(1, 3600));
   app.add_option("--model-name", a->http.model_name, "name served in /v1/models (default: the model directory's name)");
+  app.add_option("--chat-template", a->http.chat_template_file,
+                 "a Jinja chat template file to use instead of the model directory's")
+      ->check(CLI::ExistingFile);
   app.add_option("--tool-call-parser", a->http.tool_call_parser,
                  "how tool calls are read from chat output: auto (from the chat template), hermes "
                  "(<tool_call>...</tool_call>, Qwen), llama3_json (Llama 3.1), none (left as content)")

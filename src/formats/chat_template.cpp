@@ -29,7 +29,9 @@ std::optional<std::string> token_string(const nlohmann::ordered_json& cfg, const
 
 }  // namespace
 
-ChatTemplate::ChatTemplate(const std::string& dir) {
+ChatTemplate::ChatTemplate(const std::string& dir) : ChatTemplate(dir, std::string()) {}
+
+ChatTemplate::ChatTemplate(const std::string& dir, const std::string& template_file) {
   const std::filesystem::path d(dir);
   const auto cfg_path = d / "tokenizer_config.json";
   nlohmann::ordered_json cfg = nlohmann::ordered_json::object();
@@ -38,7 +40,9 @@ ChatTemplate::ChatTemplate(const std::string& dir) {
     check(!cfg.is_discarded() && cfg.is_object(), cfg_path.string(), ": not a JSON object");
   }
   std::string source;
-  if (std::filesystem::exists(d / "chat_template.jinja")) {
+  if (!template_file.empty()) {
+    source = read_file(template_file);
+  } else if (std::filesystem::exists(d / "chat_template.jinja")) {
     source = read_file(d / "chat_template.jinja");
   } else if (cfg.contains("chat_template") && cfg["chat_template"].is_string()) {
     source = cfg["chat_template"].get<std::string>();

@@ -16,6 +16,8 @@ class ChatTemplate {
  public:
   // Throws Error when the directory has no chat template or it does not parse.
   explicit ChatTemplate(const std::string& tokenizer_dir);
+  // The special tokens of tokenizer_dir with the template of another file (serve --chat-template).
+  ChatTemplate(const std::string& tokenizer_dir, const std::string& template_file);
   ChatTemplate(const std::string& source, nlohmann::ordered_json special_tokens);
 
   // `request`: {"messages": [...], "tools": [...]?, "add_generation_prompt": bool?,

@@ -177,10 +177,14 @@ struct HttpServer::Impl {
 
   Impl(std::unique_ptr<EngineApi> owned, EngineApi& e, const ServerOptions& o)
       : owned_engine(std::move(owned)), engine(e), opts(o), tokenizer(o.tokenizer_dir) {
-    try {
-      chat_template = std::make_unique<ChatTemplate>(o.tokenizer_dir);
-    } catch (const Error&) {
-      chat_template.reset();  // completions only
+    if (!o.chat_template_file.empty()) {
+      chat_template = std::make_unique<ChatTemplate>(o.tokenizer_dir, o.chat_template_file);  // errors are fatal
+    } else {
+      try {
+        chat_template = std::make_unique<ChatTemplate>(o.tokenizer_dir);
+      } catch (const Error&) {
+        chat_template.reset();  // completions only
+      }
     }
     ctx.tokenizer = &tokenizer;
     ctx.chat_template = chat_template.get();

@@ -130,19 +130,26 @@ if [[ $steps == *profile* ]]; then
   # Per-kernel GPU time of the batch-1 step graphs at context 512 (plain, draft, verify), from
   # CUPTI through tools/kernel_trace.
   echo "== profile: bench-step batch 1, context 512, every graph node traced =="
-  random_8b_pair
+  # PROFILE_MODEL=moe: the 30B-A3B-shaped MoE pair instead of the 8B-shaped one.
+  if [ "${PROFILE_MODEL:-8b}" = moe ]; then
+    random_moe_pair
+    target="$ckpt/qwen3-30b-a3b" draft="$ckpt/dflash-30b-a3b"
+  else
+    random_8b_pair
+    target="$ckpt/qwen3-8b" draft="$ckpt/dflash-8b"
+  fi
   # Variants: PROFILE="name=ENV ..." entries separated by ';' (default: one run named pdl, no
   # extra environment, e.g. PROFILE="pdl=DFLASH_TRACE_NODES=400").
   IFS=';' read -ra variants <<< "${PROFILE:-pdl=}"
   for v in "${variants[@]}"; do
     name=${v%%=*}
     env ${v#*=} CUDA_INJECTION64_PATH="$PWD/build-dev/lib/libdflash_kernel_trace.so" \
-      DFLASH_TRACE_OUT="$out/profile_$name.txt" "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" \
-      --draft "$ckpt/dflash-8b" --batch "${PROFILE_BATCH:-1}" --context 512 --iters 20 --warmup 3 --skip-kernels \
+      DFLASH_TRACE_OUT="$out/profile_$name.txt" "$dflash" bench-step --device cuda --model "$target" \
+      --draft "$draft" --batch "${PROFILE_BATCH:-1}" --context 512 --iters 20 --warmup 3 --skip-kernels \
       --leak-check-steps 0 > "$out/profile_run_$name.txt" 2>&1 || status=1
   done
   # The same rows untraced.
-  "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
+  "$dflash" bench-step --device cuda --model "$target" --draft "$draft" \
     --batch 1,32 --context 512 --skip-kernels --leak-check-steps 0 2>&1 | tee "$out/bench_step_untraced.txt" || status=1
 fi
 

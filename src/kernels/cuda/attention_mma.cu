@@ -555,13 +555,19 @@ int attention_mma_heads(const AttnShape& shp) {
 }
 
 namespace {
+// Partials of the split form beyond this size run in the loop form instead: at long context the
+// 64-key splits' partials outgrow any workspace (DFlash batch 8 at 32768 keys of the 8B shape:
+// 1.09 GB, more than the graphs' 1 GiB arena).
+constexpr int64_t kMaxPartialBytes = int64_t{256} << 20;
+
 // Whether a grid of `blocks` blocks a split (the non-fused kernel) runs its splits in a loop: when
 // the blocks alone fill the GPU several times over (4 per SM: the DFlash verification and draft
-// blocks of batch 32; batch 8 and plain batch 32 are slower in the loop), unless `form` forces a side.
-bool loop_splits(int64_t blocks, KernelForms::Splits form) {
+// blocks of batch 32; batch 8 and plain batch 32 are slower in the loop) or the split form's
+// partials would take more than kMaxPartialBytes, unless `form` forces a side.
+bool loop_splits(int64_t blocks, int64_t partial_bytes, KernelForms::Splits form) {
   using Splits = KernelForms::Splits;
   if (form != Splits::by_rule) return form == Splits::loop;
-  return blocks >= 4 * int64_t{sm_count()};
+  return blocks >= 4 * int64_t{sm_count()} || partial_bytes > kMaxPartialBytes;
 }
 }  // namespace
 
@@ -592,7 +598,11 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
 
 bool attention_mma_combines_splits(const AttnShape& shp, int n_tiles, int splits, bool fused,
                                    KernelForms::Splits form) {
-  return attention_mma_heads(shp) > 0 && !fused && splits > 1 && loop_splits(grid_of(shp, n_tiles, 1).x, form);
+  // The tiles' rows bound the rows (attention_workspace_bytes' own count).
+  const int64_t partial_bytes = int64_t{n_tiles} * (16 / std::max(1, attention_mma_heads(shp))) * shp.n_heads *
+                                splits * (shp.head_dim + 2) * int64_t{sizeof(float)};
+  return attention_mma_heads(shp) > 0 && !fused && splits > 1 &&
+         loop_splits(grid_of(shp, n_tiles, 1).x, partial_bytes, form);
 }
 
 bool attention_mma_fresh_in_one_wave(const AttnShape& shp, int n_tiles, int splits) {

@@ -17,8 +17,6 @@
 namespace dflash::cuda {
 namespace {
 
-constexpr int kMaxTopK = 32;
-
 // The better of two candidates: larger probability, else the lower expert index.
 __device__ __forceinline__ bool better(float p, int e, float q, int f) { return p > q || (p == q && e < f); }
 
@@ -61,8 +59,6 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) p[i] = lane + 32 * i < E ? p[i] / sum : -1.0f;  // -1: no expert
 
-    int chosen_e[kMaxTopK];
-    float chosen_p[kMaxTopK];
     uint32_t taken = 0;  // bit i: this lane's expert lane + 32 i is chosen
     float top_sum = 0.0f;
     for (int j = 0; j < top_k; ++j) {
@@ -79,24 +75,21 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
         if (better(op, oe, bp, be)) bp = op, be = oe;
       }
       if (be % 32 == lane) taken |= 1u << (be / 32);
-      chosen_e[j] = be;
-      chosen_p[j] = bp;
       top_sum += bp;  // in rank order
     }
-    if (lane == 0) {
-      // Increasing expert index: the order of the pairs, and of the sum in the combine.
-      for (int j = 1; j < top_k; ++j)
-        for (int i = j; i > 0 && chosen_e[i - 1] > chosen_e[i]; --i) {
-          const int e = chosen_e[i];
-          chosen_e[i] = chosen_e[i - 1], chosen_e[i - 1] = e;
-          const float q = chosen_p[i];
-          chosen_p[i] = chosen_p[i - 1], chosen_p[i - 1] = q;
-        }
-      for (int j = 0; j < top_k; ++j) {
-        expert_of_pair[t * top_k + j] = chosen_e[j];
-        weight_of_pair[t * top_k + j] = norm ? chosen_p[j] / top_sum : chosen_p[j];
-        atomicAdd(&count[chosen_e[j]], 1);
+    // Pair j of the token is its j-th chosen expert in increasing index (the order of the sum in
+    // the combine): each lane writes its own, after the chosen experts of lower index.
+    int before = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const uint32_t chosen = __ballot_sync(0xffffffffu, taken >> i & 1);
+      if (taken >> i & 1) {
+        const int j = before + __popc(chosen & ((1u << lane) - 1u)), e = lane + 32 * i;
+        expert_of_pair[t * top_k + j] = e;
+        weight_of_pair[t * top_k + j] = norm ? p[i] / top_sum : p[i];
+        atomicAdd(&count[e], 1);
       }
+      before += __popc(chosen);
     }
   }
   __syncthreads();

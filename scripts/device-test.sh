@@ -124,6 +124,7 @@ if [[ " $steps " == *" bench "* ]]; then
   random_8b_pair
   "$dflash" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
     --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512,2048}" --json "$out/bench_step.json" \
+    ${BENCH_PREFILL:+--prefill "$BENCH_PREFILL" --prefill-batch "${BENCH_PREFILL_BATCH:-1}"} \
     2>&1 | tee "$out/bench_step.txt" || status=1
 fi
 if [[ $steps == *profile* ]]; then
@@ -158,7 +159,7 @@ if [[ $steps == *bench-moe* ]]; then
   random_moe_pair
   "$dflash" bench-step --device cuda --model "$ckpt/qwen3-30b-a3b" --draft "$ckpt/dflash-30b-a3b" \
     --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --json "$out/bench_step_moe.json" \
-    ${BENCH_PREFILL:+--prefill "$BENCH_PREFILL" --prefill-batch 1} \
+    ${BENCH_PREFILL:+--prefill "$BENCH_PREFILL" --prefill-batch "${BENCH_PREFILL_BATCH:-1}"} \
     2>&1 | tee "$out/bench_step_moe.txt" || status=1
 fi
 

@@ -627,6 +627,50 @@ TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin() + int64_t{r} * q_dim)) << "verify row differs from decode";
 }
 
+// Segments of many rows (prefill chunks: from the start, after cached keys, at 8k+ keys, and
+// not causal) take the prefill kernel where the shape has it, beside decode and draft rows that
+// take the decode kernel: every row against the CPU.
+TEST_P(CudaAttention, LongSegmentsBesideDecodeRows) {
+  const AttnCase ac = GetParam();
+  const int kv_dim = ac.n_kv_heads * ac.head_dim, q_dim = ac.n_heads * ac.head_dim;
+  const Seq seqs[] = {{0, 300, true}, {250, 200, true}, {600, 1, true}, {8200, 70, true}, {129, 16, false},
+                      {40, 65, false}};
+  int n_pages = 3;
+  for (const auto& s : seqs) n_pages += (s.n_past + s.n_new + ac.page_size - 1) / ac.page_size;
+  std::vector<int32_t> perm(n_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  KvCache cc = cpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+  KvCache cg = gpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<AttentionSegment> segs;
+  std::vector<int32_t> positions;
+  int next = 0, rows = 0;
+  for (const auto& s : seqs) {
+    const int n_keys = s.n_past + s.n_new, n_table = (n_keys + ac.page_size - 1) / ac.page_size;
+    tables.emplace_back(perm.begin() + next, perm.begin() + next + n_table);
+    next += n_table;
+    std::vector<int32_t> slots;
+    for (int p = 0; p < n_keys; ++p) slots.push_back(tables.back()[p / ac.page_size] * ac.page_size + p % ac.page_size);
+    auto k = random(n_keys, kv_dim), v = random(n_keys, kv_dim);
+    cpu->kv_write(k.c, v.c, cc.k[0], cc.v[0], slots);
+    gpu->kv_write(k.g, v.g, cg.k[0], cg.v[0], slots);
+    segs.push_back({rows, s.n_new, n_keys, tables.back().data(), s.causal});
+    for (int r = 0; r < s.n_new; ++r) positions.push_back(s.n_past + r);
+    rows += s.n_new;
+  }
+  auto q = random(rows, q_dim, 2.0f), out = poisoned(rows, q_dim);
+  const AttentionParams ap{ac.n_heads, ac.n_kv_heads, ac.head_dim, ac.window, ac.page_size};
+  cpu->attention(q.c, cc.k[0], cc.v[0], segs, positions, ap, out.c);
+  gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, out.g);
+  const auto got = gpu->to_host(out.g), want = cpu->to_host(out.c);
+  for (int r = 0; r < rows; ++r) {
+    const std::vector<float> g(got.begin() + int64_t{r} * q_dim, got.begin() + int64_t{r + 1} * q_dim);
+    const std::vector<float> w(want.begin() + int64_t{r} * q_dim, want.begin() + int64_t{r + 1} * q_dim);
+    ASSERT_LE(test::rel_l2_error(g, w), kBound) << "row " << r << " (position " << positions[r] << ")";
+  }
+}
+
 // The layer's attention straight from its q/k/v product (fused on the GPU where the shape
 // allows: queries and new keys normalized and rotated inside the attention, which also writes
 // the new keys and values to the cache) equals the separate steps bit for bit, and the CPU.

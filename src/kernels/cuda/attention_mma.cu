@@ -37,18 +37,6 @@ namespace {
 constexpr int kWarps = kAttnSplitKeys / 16;  // 16 keys per warp
 constexpr int kVecs = 16;                    // query vectors per block: the mma M side
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
-  const auto a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-
 __device__ __forceinline__ uint4 load16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 // A key row's 16 bytes, L2 fetching the whole 128-byte line from DRAM at once (a key row's head
 // is 128-256 bytes; key and value rows both carry the hint: H100, context 2048, batch 32, 11.62

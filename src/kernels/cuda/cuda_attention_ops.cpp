@@ -13,6 +13,10 @@ namespace {
 // The keys a segment's launch is sized for (AttentionSegment::key_capacity).
 int32_t launch_keys(const AttentionSegment& seg) { return std::max(seg.n_keys, seg.key_capacity); }
 
+// Segments of at least this many rows take the prefill kernel (more than any verification or
+// draft block).
+constexpr int kPrefillMinRows = 64;
+
 // Whether each segment's rows are its last keys, in order, with the slots its page table gives.
 bool rows_are_last_keys(const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
                         const std::vector<int32_t>& slots, int page_size, int64_t n_rows) {
@@ -77,8 +81,12 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
   check(p.n_kv_heads > 0 && p.n_heads % p.n_kv_heads == 0, "cuda backend: heads do not form GQA groups");
   const AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
   const int tile_rows = attention_rows_per_tile(shape);
+  // Segments of many rows (prefill chunks) go to the prefill kernel, unless rows must not
+  // depend on their batch: its rows differ from the decode kernel's in the last bits.
+  const bool prefill_form = !fresh && !options_.batch_invariant && attention_prefill_heads(shape) > 0;
+  const int prefill_rows = attention_prefill_rows_per_tile(shape);
   std::vector<AttnRow> rows(static_cast<size_t>(q.rows));
-  std::vector<AttnTile> tiles;
+  std::vector<AttnTile> tiles, prefill_tiles;
   std::vector<int32_t> tables;
   int max_keys = 0;
   for (const auto& seg : segments) {
@@ -89,12 +97,27 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
     for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; ++r) {
       rows[r] = {positions[r], seg.n_keys, seg.causal ? 1 : 0, offset, fresh_begin, seg.first_row};
     }
-    for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; r += tile_rows) {
-      tiles.push_back({r, std::min(tile_rows, seg.first_row + seg.n_rows - r)});
+    const bool long_segment = prefill_form && seg.n_rows >= kPrefillMinRows;
+    const int step = long_segment ? prefill_rows : tile_rows;
+    for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; r += step) {
+      (long_segment ? prefill_tiles : tiles).push_back({r, std::min(step, seg.first_row + seg.n_rows - r)});
     }
-    max_keys = std::max(max_keys, launch_keys(seg));
+    if (!long_segment) max_keys = std::max(max_keys, launch_keys(seg));
   }
   if (tables.empty()) tables.push_back(0);
+  const int n_prefill_tiles = static_cast<int>(prefill_tiles.size());
+  const auto* d_prefill_rows =
+      n_prefill_tiles ? static_cast<const AttnRow*>(staging_.stage_bytes(rows.data(), rows.size() * sizeof(rows[0])))
+                      : nullptr;
+  const auto* d_prefill_tiles =
+      n_prefill_tiles ? static_cast<const AttnTile*>(
+                            staging_.stage_bytes(prefill_tiles.data(), prefill_tiles.size() * sizeof(prefill_tiles[0])))
+                      : nullptr;
+  // The other kernels see the prefill kernel's rows without keys: the split combine, which
+  // walks every row, leaves them alone.
+  for (const AttnTile& t : prefill_tiles)
+    for (int32_t r = t.first_row; r < t.first_row + t.n_rows; ++r) rows[r].position = rows[r].n_keys = 0;
+  const bool others = n_prefill_tiles == 0 || !tiles.empty();
   if (tiles.empty()) tiles.push_back({0, 0});
   const int n_rows = static_cast<int>(q.rows), n_tiles = static_cast<int>(tiles.size());
   const int64_t ws =
@@ -105,10 +128,14 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
       static_cast<const AttnTile*>(staging_.stage_bytes(tiles.data(), tiles.size() * sizeof(tiles[0])));
   const int32_t* d_tables = staging_.stage(tables);
   // The key count sizes the splits (and with the tiles picks the forms): a graph holds to the
-  // one it was captured with, and to the fused or separate form.
-  const int64_t decision = int64_t{max_keys} * 2 + (fresh ? 1 : 0);
+  // one it was captured with, to the fused or separate form and to the prefill kernel or none.
+  const int64_t decision = (int64_t{max_keys} * 2 + (fresh ? 1 : 0)) * 2 + (n_prefill_tiles ? 1 : 0);
   staging_.launch(
       [&](cudaStream_t s) {
+        if (n_prefill_tiles)
+          launch_attention_prefill(mat(q), mat(k_cache), mat(v_cache), d_prefill_rows, d_prefill_tiles,
+                                   n_prefill_tiles, d_tables, shape, mat(out), s);
+        if (!others) return;
         if (fresh)
           launch_attention_fresh(mat(q), *fresh, mat(k_cache), mat(v_cache), d_rows, n_rows, d_tiles, n_tiles,
                                  max_keys, d_tables, shape, workspace, mat(out), forms_, s);

@@ -30,12 +30,13 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   const int max_items = static_cast<int>(std::min<int64_t>(w.n_experts, pairs) + (pairs + tile - 1) / tile);
   Tensor expert_of_pair = alloc_as(pairs, 1, DType::I32), weight_of_pair = alloc_as(pairs, 1, DType::F32);
   Tensor pair_list = alloc_as(pairs, 1, DType::I32), items = alloc_as(max_items, 3, DType::I32);
-  Tensor n_items = alloc_as(1, 1, DType::I32);
+  Tensor n_items = alloc_as(1, 1, DType::I32), next_units = alloc_as(2, 1, DType::I32);
   Tensor counts = expert_rows ? *expert_rows : alloc_as(w.n_experts, 1, DType::I32);
   auto i32 = [](const Tensor& t) { return static_cast<int32_t*>(t.data); };
   staging_.launch([&](cudaStream_t s) {
     launch_moe_route(mat(logits), w.top_k, w.norm_topk_prob, tile, i32(expert_of_pair),
-                     static_cast<float*>(weight_of_pair.data), i32(pair_list), i32(items), i32(n_items), i32(counts), s);
+                     static_cast<float*>(weight_of_pair.data), i32(pair_list), i32(items), i32(n_items),
+                     i32(next_units), i32(counts), s);
   });
 
   if (scratch) {
@@ -44,18 +45,17 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   }
   Tensor act = scratch ? scratch->act.slice_rows(0, pairs) : alloc(pairs, ff);
   Tensor y = scratch ? scratch->y.slice_rows(0, pairs) : alloc(pairs, h);
-  RoutedRows rows{i32(items), i32(n_items), i32(pair_list), w.top_k, 2 * ff * w.gate_up.stride};
+  RoutedRows rows{i32(items), i32(n_items), i32(pair_list), i32(next_units), w.top_k, 2 * ff * w.gate_up.stride};
   const Mat gate_up{static_cast<bf16*>(w.gate_up.data), 2 * ff, h, w.gate_up.stride};  // expert 0's
   staging_.launch([&](cudaStream_t s) {
-    launch_skinny_gemm_routed(mat(x), gate_up, mat(act), rows, /*swiglu=*/true, tile, max_items,
-                              props_.multiProcessorCount, s);
+    launch_skinny_gemm_routed(mat(x), gate_up, mat(act), rows, /*swiglu=*/true, tile, max_items, s);
   });
+  rows.next_unit = i32(next_units) + 1;
   rows.x_div = 1;
   rows.w_step = h * w.down.stride;
   const Mat down{static_cast<bf16*>(w.down.data), h, ff, w.down.stride};
   staging_.launch([&](cudaStream_t s) {
-    launch_skinny_gemm_routed(mat(act), down, mat(y), rows, /*swiglu=*/false, tile, max_items,
-                              props_.multiProcessorCount, s);
+    launch_skinny_gemm_routed(mat(act), down, mat(y), rows, /*swiglu=*/false, tile, max_items, s);
   });
   staging_.launch([&](cudaStream_t s) {
     launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);

@@ -119,34 +119,35 @@ void launch_skinny_gemm_groups(const Mat& x, const Mat& w, int count, int64_t gr
 // kept in float32 (launch_skinny_gemm followed by launch_swiglu rounds them to bf16 first).
 void launch_skinny_gemm_swiglu(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s);
 
-// The rows of a routed (mixture-of-experts) product, as launch_moe_route lays them out: block
-// row y of the launch is work item y of *n_items, an expert and up to a tile of its pairs (pair
+// The rows of a routed (mixture-of-experts) product, as launch_moe_route lays them out: *n_items
+// work items, each an expert and up to a tile of its pairs (pair
 // p = token * top_k + j, the token's j-th expert in increasing index).
 struct RoutedRows {
   const int32_t* items = nullptr;    // per item: expert, first index into pairs, pair count
   const int32_t* n_items = nullptr;
   const int32_t* pairs = nullptr;    // pair indices grouped by expert
+  int32_t* next_unit = nullptr;      // the next work unit (an item's columns of a block), from 0
   int x_div = 1;                     // pair p reads input row p / x_div and writes output row p
   int64_t w_step = 0;                // elements from one expert's weight to the next
 };
 // out[p] = x[p / x_div] * w_e^T (with swiglu: silu(gate) * up of w_e = [gate; up], out.cols
 // features) for every pair p routed to expert e, w_e = w + e * w_step: each item streams its
 // expert's weights once for up to `tile_rows` (8, 16 or 32) pairs. Reduction order as
-// launch_skinny_gemm's: a pair's result never depends on the others. `max_items` (the grid)
-// bounds *n_items.
+// launch_skinny_gemm's: a pair's result never depends on the others. `max_items` bounds
+// *n_items; the blocks take work units from *next_unit, which must be 0 at the start.
 void launch_skinny_gemm_routed(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu,
-                               int tile_rows, int max_items, int n_sms, cudaStream_t s);
+                               int tile_rows, int max_items, cudaStream_t s);
 
 // The routing of a mixture-of-experts layer from its router logits [M, E] (bf16): per token, p =
 // softmax in float32, the top_k experts (larger p first, the lower index on ties), weights p
 // (divided by their sum with norm); pair token * top_k + j takes the token's j-th chosen expert
 // in increasing index: expert_of_pair, weight_of_pair. Then the pairs grouped by expert (pairs),
 // their work items of up to tile_rows pairs (items, n_items: see RoutedRows) and expert_rows[e] =
-// pairs of expert e. One block; E <= kMoeMaxExperts, top_k <= 32.
+// pairs of expert e; next_units[0] and [1] (the routed products' unit counters) set to 0. One block; E <= kMoeMaxExperts, top_k <= 32.
 constexpr int kMoeMaxExperts = 1024;
 void launch_moe_route(const Mat& logits, int top_k, bool norm, int tile_rows, int32_t* expert_of_pair,
-                      float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* expert_rows,
-                      cudaStream_t s);
+                      float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* next_units,
+                      int32_t* expert_rows, cudaStream_t s);
 // out[t] = sum over j of weight_of_pair[t * top_k + j] * y[t * top_k + j], in j order, in float32.
 void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s);
 
@@ -220,6 +221,14 @@ int attention_rows_per_tile(const AttnShape& shape);
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
                       const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
                       const AttnShape& shape, float* workspace, Mat out, const KernelForms& forms, cudaStream_t s);
+// Long query segments (prefill chunks): the FlashAttention-2 form (attention_prefill.cu), for
+// head_dim 64 and 128 (heads 0 otherwise). Tiles of attention_prefill_rows_per_tile rows of one
+// segment; one pass over the keys, no workspace. Its rows do not match launch_attention's bits.
+int attention_prefill_heads(const AttnShape& shape);
+int attention_prefill_rows_per_tile(const AttnShape& shape);
+void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
+                              const AttnTile* tiles, int n_tiles, const int32_t* page_tables, const AttnShape& shape,
+                              Mat out, cudaStream_t s);
 // The fused form (AttnFresh) exists for head_dim 64 and 128 on the tensor-core kernel, and is
 // taken while its grid (n_tiles tiles of attention_rows_per_tile rows) fits the GPU at once.
 bool attention_fresh_supported(const AttnShape& shape, int n_tiles, int max_keys);

@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
                                                                   int32_t* __restrict__ pairs,
                                                                   int32_t* __restrict__ items,
                                                                   int32_t* __restrict__ n_items,
+                                                                  int32_t* __restrict__ next_units,
                                                                   int32_t* __restrict__ expert_rows) {
   __shared__ int count[kMoeMaxExperts], first[kMoeMaxExperts], first_item[kMoeMaxExperts];
   pdl_begin();
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
       pair += __shfl_sync(0xffffffffu, pairs_before, 31);
       item += __shfl_sync(0xffffffffu, items_before, 31);
     }
-    if (lane == 0) *n_items = item;
+    if (lane == 0) *n_items = item, next_units[0] = 0, next_units[1] = 0;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -156,14 +157,14 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16
 }  // namespace
 
 void launch_moe_route(const Mat& logits, int top_k, bool norm, int tile_rows, int32_t* expert_of_pair,
-                      float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* expert_rows,
-                      cudaStream_t s) {
+                      float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* next_units,
+                      int32_t* expert_rows, cudaStream_t s) {
   // A warp a token, up to 32 warps; the fewest experts a lane that cover E.
   const int m = static_cast<int>(logits.rows), e = static_cast<int>(logits.cols);
   const dim3 threads(32 * std::min(32, std::max(4, m)));
   auto go = [&](auto kernel) {
     launch(kernel, dim3(1), threads, s, logits.data, logits.stride, m, e, top_k, norm, tile_rows, expert_of_pair,
-           weight_of_pair, pairs, items, n_items, expert_rows);
+           weight_of_pair, pairs, items, n_items, next_units, expert_rows);
   };
   if (e <= 128) go(moe_route_kernel<4>);
   else if (e <= 256) go(moe_route_kernel<8>);

@@ -60,16 +60,18 @@ constexpr int stages(int budget) {
   const int n = budget / static_cast<int>(sizeof(Stage<XT, RT>));
   return n < 2 ? 2 : n > 8 ? 8 : n;
 }
-// kWide (one block per SM, see wide_row_tiles): 24 KiB a warp, 192 KiB a block.
-template <int MT, int RT, bool kNorm, bool kWide = false>
-constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(kWide ? 24576 : 12288);
+// kWide (one block per SM, see wide_row_tiles): 24 KiB a warp, 192 KiB a block. kRouted: 9 KiB
+// a warp, so that three blocks share an SM: a routed product's blocks run in one wave at batch 1
+// (gate_up of the 30B-A3B shape: 384 blocks; with two blocks an SM, 1.45 waves).
+template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
+constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(kWide ? 24576 : kRouted ? 9216 : 12288);
 template <int MT, int RT, bool kNorm>
 using StageOf = Stage<kNorm ? 0 : MT, RT>;
 
 // Bytes of the ring (reused by the cross-warp reduction); the normalized rows follow them.
-template <int MT, int RT, bool kNorm, bool kWide = false>
+template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
 constexpr size_t smem_bytes() {
-  constexpr size_t ring = sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm, kWide> * kWarps;
+  constexpr size_t ring = sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm, kWide, kRouted> * kWarps;
   constexpr size_t red = sizeof(float) * kWarps * RT * MT * 4 * 32;
   return ring > red ? ring : red;
 }
@@ -90,8 +92,9 @@ constexpr int64_t norm_row_elems(int64_t k) { return k + 8; }
 // weights are requested before waiting on the previous kernel (they need nothing from it).
 // kNorm: x is unused; the rows come from `norm` (see RowNorm), K == the rows' width, and R is
 // the residual stream's element type (float or bf16).
-// kRouted: block row y is routed.items' work item y (RoutedRows): an expert's weights and up to
-// 8 * MT of its pairs, read from and written to the pairs' rows; blocks past the items exit.
+// kRouted: a block takes work units from routed.next_unit: unit u is item u / gridDim.x of
+// routed.items (RoutedRows: an expert's weights and up to 8 * MT of its pairs, read from and
+// written to the pairs' rows), columns block u % gridDim.x.
 template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kWide = false, bool kRouted = false>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
@@ -101,51 +104,42 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
                                                                   int out_group_cols, RoutedRows routed) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
-  constexpr int S = kStages<MT, RT, kNorm, kWide>;
+  constexpr int S = kStages<MT, RT, kNorm, kWide, kRouted>;
   using St = StageOf<MT, RT, kNorm>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * features_per_block(RT, kSwiglu);
+  constexpr int kPerBlock = features_per_block(RT, kSwiglu);
   // Row groups (launch_skinny_gemm_groups): blockIdx.y is the group, N its rows.
   w += blockIdx.y * w_group_step;
   out += blockIdx.y * out_group_cols;
-  // Routed rows: which expert and pairs come from the routing kernel before this one, so the
-  // weights cannot be requested before the wait.
-  const int32_t* pairs = nullptr;
-  if constexpr (kRouted) {
-    pdl_begin();
-    if (static_cast<int>(blockIdx.y) >= *routed.n_items) return;
-    const int32_t* item = routed.items + 3 * blockIdx.y;
-    w += item[0] * routed.w_step;
-    pairs = routed.pairs + item[1];
-    M = item[2];
-  }
-  // Token t's input row and output row.
-  auto x_row = [&](int t) -> int64_t { return kRouted ? pairs[t] / routed.x_div : t; };
-  auto out_row = [&](int t) -> int64_t { return kRouted ? pairs[t] : t; };
   St* ring = reinterpret_cast<St*>(smem_raw) + warp * S;
-  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide>());  // kNorm: [M][norm_row_elems(K)]
-
+  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide, kRouted>());  // kNorm: [M][norm_row_elems(K)]
   const int n_chunks = (K + kChunk - 1) / kChunk;
   const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
 
-  // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
-  // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
-  auto issue_w = [&](int i) {
-    if (i >= n_mine) return;
-    const int k0 = (warp + i * kWarps) * kChunk;
-    St& st = ring[i % S];
-#pragma unroll
-    for (int j = 0; j < 2 * RT; ++j) {
-      const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
-      const int64_t f = n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
-      const int64_t row = kSwiglu && rt == 1 ? N + f : f;
-      const int k = k0 + part * 8;
-      const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
-      const bf16* src = ok ? w + row * w_stride + k : w;
-      cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
-    }
+  // The product of M rows with weight rows [n0, n0 + kPerBlock) of w; routed: `pairs` are the rows' pairs.
+  auto product = [&](const bf16* __restrict__ w, int M, const int32_t* pairs, int64_t n0) {
+    // Token t's input row and output row.
+    auto x_row = [&](int t) -> int64_t { return kRouted ? pairs[t] / routed.x_div : t; };
+    auto out_row = [&](int t) -> int64_t { return kRouted ? pairs[t] : t; };
+
+    // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
+    // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
+    auto issue_w = [&](int i) {
+      if (i >= n_mine) return;
+      const int k0 = (warp + i * kWarps) * kChunk;
+      St& st = ring[i % S];
+  #pragma unroll
+      for (int j = 0; j < 2 * RT; ++j) {
+        const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
+        const int64_t f = n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
+        const int64_t row = kSwiglu && rt == 1 ? N + f : f;
+        const int k = k0 + part * 8;
+        const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
+        const bf16* src = ok ? w + row * w_stride + k : w;
+        cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
+      }
   };
   auto issue_x = [&](int i) {
     if constexpr (!kNorm) {
@@ -264,6 +258,31 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     }
     reinterpret_cast<__nv_bfloat16*>(out)[out_row(token) * out_stride + feature] = __float2bfloat16(sum);
   }
+  };
+
+  if constexpr (kRouted) {
+    // Which experts and pairs come from the routing kernel before this one, so the weights
+    // cannot be requested before the wait. The blocks take work units (an item's columns
+    // [n0, n0 + kPerBlock)) from a counter the routing kernel zeroed: however many blocks the
+    // GPU holds beside the kernels around it, none waits for another's units.
+    pdl_begin();
+    const int n_units = *routed.n_items * static_cast<int>(gridDim.x);
+    const int n_blocks = static_cast<int>(gridDim.x * gridDim.y);
+    __shared__ int unit_s;
+    // Block b's first unit is b (no counter round trip before its first weights); then units
+    // n_blocks + counter.
+    for (int unit = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x); unit < n_units;) {
+      const int32_t* item = routed.items + 3 * (unit / gridDim.x);
+      product(w + item[0] * routed.w_step, item[2], routed.pairs + item[1],
+              static_cast<int64_t>(unit % gridDim.x) * kPerBlock);
+      if (threadIdx.x == 0) unit_s = n_blocks + atomicAdd(routed.next_unit, 1);
+      __syncthreads();  // the next unit's ring overwrites the reduction's shared memory; unit_s is set
+      unit = unit_s;
+      __syncthreads();  // every thread has read unit_s
+    }
+  } else {
+    product(w, M, nullptr, static_cast<int64_t>(blockIdx.x) * kPerBlock);
+  }
 }
 
 // Whether the device gives a block the wide ring's shared memory (H100: 227 KiB).
@@ -306,8 +325,24 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);
   const unsigned blocks = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);
   static_assert(!(kWide && kNorm), "the normalizing form has no wide blocks");
-  const size_t smem =
-      kWide ? smem_bytes<MT, RT, false, true>() : launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols);
+  const size_t smem = kWide     ? smem_bytes<MT, RT, false, true>()
+                      : kRouted ? smem_bytes<MT, RT, false, false, true>()
+                                : launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols);
+  if constexpr (kRouted) {
+    // As many blocks as the GPU holds at once (at most one a unit of the items' bound), not one
+    // a possible unit (136 items at 16 rows of the 30B-A3B shape, mostly empty: their launch
+    // cost more than the product).
+    static const int resident = [smem] {
+      int device = 0, n = 0, sms = 0;
+      CUDA_CHECK(cudaGetDevice(&device));
+      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &n, skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>, kWarps * 32, smem));
+      return std::max(1, n) * sms;
+    }();
+    const unsigned fill = static_cast<unsigned>((resident + blocks - 1) / blocks);
+    groups.count = std::max(1u, std::min(groups.count, fill));
+  }
   launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>, dim3(blocks, groups.count), kWarps * 32,
               smem, s, x.data, x.stride,
               static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
@@ -429,11 +464,13 @@ void launch_routed_rt(const Mat& x, const Mat& w, Mat out, const RoutedRows& rou
 }
 }  // namespace
 
+// The down products take four row tiles a block: an item's blocks then read its pairs' rows
+// from L2 once for 64 weight rows (with one tile, 16 pairs' rows of K = 768 are as many bytes as
+// the tile's weights), and a batch-1 step's 8 items make one wave of 256 blocks.
 void launch_skinny_gemm_routed(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu,
-                               int tile_rows, int max_items, int n_sms, cudaStream_t s) {
+                               int tile_rows, int max_items, cudaStream_t s) {
   if (swiglu) launch_routed_rt<2, true>(x, w, out, routed, tile_rows, max_items, s);
-  else if (two_row_tiles(w, n_sms)) launch_routed_rt<2, false>(x, w, out, routed, tile_rows, max_items, s);
-  else launch_routed_rt<1, false>(x, w, out, routed, tile_rows, max_items, s);
+  else launch_routed_rt<4, false>(x, w, out, routed, tile_rows, max_items, s);
 }
 
 }  // namespace dflash::cuda

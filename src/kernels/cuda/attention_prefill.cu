@@ -1,0 +1,259 @@
+// Attention of long query segments (prefill chunks) on tensor cores, FlashAttention-2's way: a
+// block owns 16 query vectors a warp (rows x heads of one KV head's group, as in
+// attention_mma.cu) and walks the keys its rows see in tiles of 64, each K and V tile staged
+// once in shared memory (cp.async, double buffered) for all its warps; every warp keeps the
+// online softmax state of its 16 vectors in registers. One pass over the keys: no splits, no
+// partials, no combine. The decode kernel (attention_mma.cu) gives a block 16 vectors and walks
+// its keys 16 to a warp with a merge every 64; here 64 vectors share each key tile and nothing
+// is merged, at the price of a different summation order: rows do not match the decode kernel's
+// bits, so the backend takes this kernel only where rows need not (launch.h).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/pdl.cuh"
+
+namespace dflash::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kTileKeys = 64;  // keys per shared-memory tile
+
+// 2^x (ex2.approx: 2 ulp; 2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int HD>
+struct PrefillSmem {
+  // Rows padded by 16 bytes: the 8 rows an ldmatrix reads fall on different banks.
+  bf16 k[2][kTileKeys][HD + 8];
+  bf16 v[2][kTileKeys][HD + 8];
+};
+
+// A block: tile tiles[n_tiles - 1 - blockIdx.x / (KV heads x head chunks)] (the latest rows,
+// which see the most keys, start first), one KV head, one chunk of `heads` of its query heads.
+// Warp w takes rows w * R .. w * R + R - 1 of the tile (R = 16 / heads) x the chunk's heads;
+// lane (g, qd) holds vectors g and g + 8 in the mma fragment layout.
+template <int HD>
+__global__ void __launch_bounds__(kWarps * 32, 2)
+    attention_prefill_kernel(const bf16* __restrict__ q, int64_t q_stride, const bf16* __restrict__ kc,
+                             int64_t k_stride, const bf16* __restrict__ vc, int64_t v_stride,
+                             const AttnRow* __restrict__ rows, const AttnTile* __restrict__ tiles, int n_tiles,
+                             const int32_t* __restrict__ page_tables, AttnShape shp, int heads,
+                             bf16* __restrict__ out, int64_t out_stride) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<PrefillSmem<HD>*>(smem_raw);
+  constexpr int kSteps = HD / 16;  // 16-dim steps of the score product
+  constexpr int kDimTiles = HD / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4;
+  const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + heads - 1) / heads;
+  const int chunk = blockIdx.x % chunks, kv_head = (blockIdx.x / chunks) % shp.n_kv_heads;
+  const AttnTile tile = tiles[n_tiles - 1 - static_cast<int>(blockIdx.x / chunks / shp.n_kv_heads)];
+  const int warp_rows = 16 / heads;
+  const AttnRow first = rows[tile.first_row];
+
+  // This thread's vectors g and g + 8: row, head, visible keys [lo, hi).
+  int vrow[2], vhead[2], lo[2], hi[2];
+  bool vok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = g + 8 * h, ri = warp * warp_rows + i / heads, hj = chunk * heads + i % heads;
+    vok[h] = i < warp_rows * heads && ri < tile.n_rows && hj < group;
+    vrow[h] = tile.first_row + (vok[h] ? ri : 0);
+    vhead[h] = kv_head * group + (vok[h] ? hj : 0);
+    const Visible vis = visible_keys(rows[vrow[h]], shp.sliding_window);
+    lo[h] = vok[h] ? vis.begin : 0;
+    hi[h] = vok[h] ? vis.end : 0;
+  }
+  // The keys any vector of the block sees.
+  __shared__ int range_s[2];
+  if (threadIdx.x == 0) range_s[0] = INT32_MAX, range_s[1] = 0;
+  __syncthreads();
+  {
+    int b = INT32_MAX, e = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (lo[h] < hi[h]) b = min(b, lo[h]), e = max(e, hi[h]);
+    b = __reduce_min_sync(kFull, b);
+    e = __reduce_max_sync(kFull, e);
+    if (lane == 0) atomicMin(&range_s[0], b), atomicMax(&range_s[1], e);
+  }
+  __syncthreads();
+  const int key_begin = range_s[0] / kTileKeys * kTileKeys, key_end = range_s[1];
+  const int n_key_tiles = key_end > key_begin ? (key_end - key_begin + kTileKeys - 1) / kTileKeys : 0;
+
+  const int32_t* pages = page_tables + first.page_offset;
+  const int64_t head_off = static_cast<int64_t>(kv_head) * HD;
+  constexpr int kRowPieces = HD / 8;                                 // 16-byte pieces of a key row
+  constexpr int kPieces = kTileKeys * kRowPieces / (kWarps * 32);  // of a tile, per thread
+  // The K and V rows of keys [k0, k0 + 64) into buffer `buf` (keys past the sequence: zeros).
+  auto issue_tile = [&](int k0, int buf) {
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      const int p = threadIdx.x + j * kWarps * 32, kr = p / kRowPieces, part = p % kRowPieces, key = k0 + kr;
+      const bool ok = key < first.n_keys;
+      const int64_t slot = ok ? key_slot(pages, key, shp.page_size) : 0;
+      cp_async16_hint<128>(&sm.k[buf][kr][part * 8], kc + slot * k_stride + head_off + part * 8, ok);
+      cp_async16_hint<128>(&sm.v[buf][kr][part * 8], vc + slot * v_stride + head_off + part * 8, ok);
+    }
+    cp_async_commit();
+  };
+
+  // Everything above reads staged metadata only (pdl.cuh); queries, keys and values come from
+  // the kernels before this one.
+  pdl_wait();
+  if (n_key_tiles > 0) issue_tile(key_begin, 0);
+
+  // The queries as A fragments: qa[s] for dims [16s, 16s + 16).
+  uint32_t qa[kSteps][4];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int h = r % 2, d = 16 * s + 2 * qd + 8 * (r / 2);
+      qa[s][r] = vok[h] ? *reinterpret_cast<const uint32_t*>(q + vrow[h] * q_stride +
+                                                             static_cast<int64_t>(vhead[h]) * HD + d)
+                        : 0u;
+    }
+
+  // Scores in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
+  const float scale = rsqrtf(static_cast<float>(HD)) * 1.44269504088896340736f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float acc[kDimTiles][4] = {};
+  // Whether this warp's vectors see any key of [k0, k0 + 64).
+  auto warp_sees = [&](int k0) {
+    bool any = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) any |= lo[h] < hi[h] && lo[h] < k0 + kTileKeys && hi[h] > k0;
+    return __any_sync(kFull, any);
+  };
+
+  for (int t = 0; t < n_key_tiles; ++t) {
+    const int k0 = key_begin + t * kTileKeys, buf = t % 2;
+    if (t + 1 < n_key_tiles) {
+      issue_tile(k0 + kTileKeys, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (warp_sees(k0)) {
+      // S = Q K^T: n-tile kt holds keys k0 + 8kt + 2qd + {0, 1} of vectors g (0, 1) and g + 8 (2, 3).
+      float sc[kTileKeys / 8][4] = {};
+#pragma unroll
+      for (int c = 0; c < HD / 32; ++c)
+#pragma unroll
+        for (int kt = 0; kt < kTileKeys / 8; ++kt) {
+          uint32_t b[4];
+          ldmatrix_x4(b, &sm.k[buf][8 * kt + lane % 8][32 * c + 8 * (lane / 8)]);
+          mma_bf16(sc[kt], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], b[0], b[1]);
+          mma_bf16(sc[kt], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], b[2], b[3]);
+        }
+      // Online softmax: masked, P rounded to bf16 and summed as rounded.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int kt = 0; kt < kTileKeys / 8; ++kt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = k0 + 8 * kt + 2 * qd + e;
+            const float v = key >= lo[h] && key < hi[h] ? sc[kt][2 * h + e] * scale : -INFINITY;
+            sc[kt][2 * h + e] = v;
+            mx = fmaxf(mx, v);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+        const float m_new = fmaxf(m[h], mx);
+        const float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m[h] - m_new);
+        float sum = 0.0f;
+#pragma unroll
+        for (int kt = 0; kt < kTileKeys / 8; ++kt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float v = sc[kt][2 * h + e];
+            const float p = v == -INFINITY ? 0.0f : round_bf(fast_exp2(v - m_new));
+            sc[kt][2 * h + e] = p;
+            sum += p;
+          }
+        sum += __shfl_xor_sync(kFull, sum, 1);
+        sum += __shfl_xor_sync(kFull, sum, 2);
+        l[h] = l[h] * alpha + sum;
+        m[h] = m_new;
+#pragma unroll
+        for (int nt = 0; nt < kDimTiles; ++nt) acc[nt][2 * h] *= alpha, acc[nt][2 * h + 1] *= alpha;
+      }
+      // O += P V: P's A fragments are the score tiles' accumulators, V's B fragments come transposed.
+#pragma unroll
+      for (int j = 0; j < kTileKeys / 16; ++j) {
+        const uint32_t a0 = pack_bf16(sc[2 * j][0], sc[2 * j][1]), a1 = pack_bf16(sc[2 * j][2], sc[2 * j][3]);
+        const uint32_t a2 = pack_bf16(sc[2 * j + 1][0], sc[2 * j + 1][1]);
+        const uint32_t a3 = pack_bf16(sc[2 * j + 1][2], sc[2 * j + 1][3]);
+#pragma unroll
+        for (int np = 0; np < HD / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, &sm.v[buf][16 * j + lane % 8 + 8 * ((lane / 8) % 2)][np * 16 + 8 * (lane / 16)]);
+          mma_bf16(acc[2 * np], a0, a1, a2, a3, b[0], b[1]);
+          mma_bf16(acc[2 * np + 1], a0, a1, a2, a3, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with `buf` before the next tile's copies refill it
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (!vok[h]) continue;
+    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // a row that sees no key: zeros
+    bf16* o = out + vrow[h] * out_stride + static_cast<int64_t>(vhead[h]) * HD;
+#pragma unroll
+    for (int nt = 0; nt < kDimTiles; ++nt)
+      *reinterpret_cast<uint32_t*>(o + nt * 8 + 2 * qd) = pack_bf16(acc[nt][2 * h] * inv, acc[nt][2 * h + 1] * inv);
+  }
+  pdl_release();
+}
+
+template <int HD>
+void launch_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, const AttnTile* tiles,
+                    int n_tiles, const int32_t* page_tables, const AttnShape& shp, Mat out, cudaStream_t s) {
+  const auto kernel = attention_prefill_kernel<HD>;
+  constexpr size_t smem = sizeof(PrefillSmem<HD>);
+  static const bool configured = [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    return true;
+  }();
+  (void)configured;
+  const int heads = attention_prefill_heads(shp), group = shp.n_heads / shp.n_kv_heads;
+  const int chunks = (group + heads - 1) / heads;
+  const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks));
+  launch_smem(kernel, grid, kWarps * 32, smem, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
+              v_cache.stride, rows, tiles, n_tiles, page_tables, shp, heads, out.data, out.stride);
+}
+
+}  // namespace
+
+int attention_prefill_heads(const AttnShape& shp) {
+  if (shp.head_dim != 64 && shp.head_dim != 128) return 0;
+  return std::min(shp.n_heads / shp.n_kv_heads, 16);
+}
+
+int attention_prefill_rows_per_tile(const AttnShape& shp) {
+  const int heads = attention_prefill_heads(shp);
+  return heads > 0 ? kWarps * (16 / heads) : 0;
+}
+
+void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
+                              const AttnTile* tiles, int n_tiles, const int32_t* page_tables, const AttnShape& shp,
+                              Mat out, cudaStream_t s) {
+  if (n_tiles == 0) return;
+  if (shp.head_dim == 64) launch_prefill<64>(q, k_cache, v_cache, rows, tiles, n_tiles, page_tables, shp, out, s);
+  else launch_prefill<128>(q, k_cache, v_cache, rows, tiles, n_tiles, page_tables, shp, out, s);
+}
+
+}  // namespace dflash::cuda

@@ -627,22 +627,24 @@ TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin() + int64_t{r} * q_dim)) << "verify row differs from decode";
 }
 
-// Segments of many rows (prefill chunks: from the start, after cached keys, at 8k+ keys, and
-// not causal) take the prefill kernel where the shape has it, beside decode and draft rows that
-// take the decode kernel: every row against the CPU.
-TEST_P(CudaAttention, LongSegmentsBesideDecodeRows) {
+// Segments of many rows (prefill chunks: from the start, after cached keys, at 8k+ keys, not
+// causal) take the prefill form where the shape has it, rows with kAttnLongKeys+ keys the long
+// form (a verification block across that count, a decode row, a draft block), the other rows the
+// decode kernel, all in one call: every row against the CPU, on the usual backend and on a
+// batch-invariant one (no prefill form there: those rows take the decode or the long form). A
+// long verification row equals the same row decoded alone, bit for bit.
+TEST_P(CudaAttention, LongSegmentsAndLongRowsBesideDecodeRows) {
   const AttnCase ac = GetParam();
   const int kv_dim = ac.n_kv_heads * ac.head_dim, q_dim = ac.n_heads * ac.head_dim;
-  const Seq seqs[] = {{0, 300, true}, {250, 200, true}, {600, 1, true}, {8200, 70, true}, {129, 16, false},
-                      {40, 65, false}};
+  const Seq seqs[] = {{0, 300, true},   {250, 200, true},   {600, 1, true},     {8200, 70, true}, {129, 16, false},
+                      {40, 65, false},  {8185, 16, true},   {9000, 1, true},    {8500, 16, false}};
   int n_pages = 3;
   for (const auto& s : seqs) n_pages += (s.n_past + s.n_new + ac.page_size - 1) / ac.page_size;
   std::vector<int32_t> perm(n_pages);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
-  KvCache cc = cpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
-  KvCache cg = gpu->alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
-  std::vector<std::vector<int32_t>> tables;
+  std::vector<std::vector<int32_t>> tables, slots;
+  std::vector<std::vector<float>> ks, vs;
   std::vector<AttentionSegment> segs;
   std::vector<int32_t> positions;
   int next = 0, rows = 0;
@@ -650,24 +652,54 @@ TEST_P(CudaAttention, LongSegmentsBesideDecodeRows) {
     const int n_keys = s.n_past + s.n_new, n_table = (n_keys + ac.page_size - 1) / ac.page_size;
     tables.emplace_back(perm.begin() + next, perm.begin() + next + n_table);
     next += n_table;
-    std::vector<int32_t> slots;
-    for (int p = 0; p < n_keys; ++p) slots.push_back(tables.back()[p / ac.page_size] * ac.page_size + p % ac.page_size);
-    auto k = random(n_keys, kv_dim), v = random(n_keys, kv_dim);
-    cpu->kv_write(k.c, v.c, cc.k[0], cc.v[0], slots);
-    gpu->kv_write(k.g, v.g, cg.k[0], cg.v[0], slots);
+    slots.emplace_back();
+    for (int p = 0; p < n_keys; ++p) slots.back().push_back(tables.back()[p / ac.page_size] * ac.page_size + p % ac.page_size);
+    ks.push_back(bf16_rounded(test::random_vector(rng, static_cast<size_t>(n_keys) * kv_dim, 1.0f)));
+    vs.push_back(bf16_rounded(test::random_vector(rng, static_cast<size_t>(n_keys) * kv_dim, 1.0f)));
     segs.push_back({rows, s.n_new, n_keys, tables.back().data(), s.causal});
     for (int r = 0; r < s.n_new; ++r) positions.push_back(s.n_past + r);
     rows += s.n_new;
   }
-  auto q = random(rows, q_dim, 2.0f), out = poisoned(rows, q_dim);
+  const auto qh = bf16_rounded(test::random_vector(rng, static_cast<size_t>(rows) * q_dim, 2.0f));
   const AttentionParams ap{ac.n_heads, ac.n_kv_heads, ac.head_dim, ac.window, ac.page_size};
-  cpu->attention(q.c, cc.k[0], cc.v[0], segs, positions, ap, out.c);
-  gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, out.g);
-  const auto got = gpu->to_host(out.g), want = cpu->to_host(out.c);
-  for (int r = 0; r < rows; ++r) {
-    const std::vector<float> g(got.begin() + int64_t{r} * q_dim, got.begin() + int64_t{r + 1} * q_dim);
-    const std::vector<float> w(want.begin() + int64_t{r} * q_dim, want.begin() + int64_t{r + 1} * q_dim);
-    ASSERT_LE(test::rel_l2_error(g, w), kBound) << "row " << r << " (position " << positions[r] << ")";
+  // The cache on `be`; then its attention of `sg` for query rows [first, first + n).
+  auto fill = [&](Backend& be) {
+    KvCache c = be.alloc_kv(1, n_pages, ac.page_size, ac.n_kv_heads, ac.head_dim);
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const int n_keys = segs[i].n_keys;
+      Tensor k = be.upload_host(ks[i].data(), n_keys, kv_dim), v = be.upload_host(vs[i].data(), n_keys, kv_dim);
+      be.kv_write(k, v, c.k[0], c.v[0], slots[i]);
+    }
+    return c;
+  };
+  auto attend = [&](Backend& be, KvCache& c, const std::vector<AttentionSegment>& sg, const std::vector<int32_t>& pos,
+                    int first, int n) {
+    Tensor q = be.upload_host(qh.data() + int64_t{first} * q_dim, n, q_dim), out = be.alloc(n, q_dim);
+    be.attention(q, c.k[0], c.v[0], sg, pos, ap, out);
+    return be.to_host(out);
+  };
+  KvCache cc = fill(*cpu);
+  const auto want = attend(*cpu, cc, segs, positions, 0, rows);
+  BackendOptions invariant;
+  invariant.batch_invariant = true;
+  auto gpu_invariant = make_cuda_backend(invariant);
+  for (Backend* be : {gpu.get(), gpu_invariant.get()}) {
+    const std::string what = be == gpu.get() ? "usual backend" : "batch-invariant backend";
+    KvCache c = fill(*be);
+    const auto got = attend(*be, c, segs, positions, 0, rows);
+    for (int r = 0; r < rows; ++r) {
+      const std::vector<float> g(got.begin() + int64_t{r} * q_dim, got.begin() + int64_t{r + 1} * q_dim);
+      const std::vector<float> w(want.begin() + int64_t{r} * q_dim, want.begin() + int64_t{r + 1} * q_dim);
+      ASSERT_LE(test::rel_l2_error(g, w), kBound) << what << ", row " << r << " (position " << positions[r] << ")";
+    }
+    // Rows of the verification block across kAttnLongKeys keys, each alone at its position.
+    for (int i = 0; i < 16; ++i) {
+      const int r = segs[6].first_row + i, n_keys = positions[r] + 1;
+      std::vector<AttentionSegment> alone{{0, 1, n_keys, tables[6].data(), true}};
+      const auto one = attend(*be, c, alone, {positions[r]}, r, 1);
+      EXPECT_TRUE(std::equal(one.begin(), one.end(), got.begin() + int64_t{r} * q_dim))
+          << what << ": verification row at position " << positions[r] << " differs from the row decoded alone";
+    }
   }
 }
 
@@ -769,7 +801,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
 // expert's weight by up to 1.6%, and a row by up to about 5% measured; a bound against gross
 // errors), per token where the router's k-th and (k+1)-th logits
 // are far enough apart that both choose the same experts; rows bit-identical alone, in a 3-row
-// batch and in the whole batch; a graph replay gives the direct call's bits.
+// batch and in the whole batch on a batch-invariant backend; a graph replay gives the direct call's bits.
 TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
   struct Case {
     int m, h, n_experts, top_k, ff;
@@ -878,16 +910,27 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
     const auto counts = gpu->ids_to_host(counts_g);
     EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), 0), c.m * c.top_k) << what;
 
-    // Batch invariance: the first, middle and last rows alone and in a 3-row batch.
+    // Batch invariance: the first, middle and last rows alone and in a 3-row batch, on a
+    // batch-invariant backend (elsewhere the router product of more than 32 rows goes through
+    // cuBLASLt, whose bits differ from the skinny kernel's, and a bf16 logit may round the other way).
+    BackendOptions invariant;
+    invariant.batch_invariant = true;
+    auto inv = make_cuda_backend(invariant);
+    MoeWeights wi = wg;
+    wi.router = inv->upload_host(router.host.data(), router.g.rows, router.g.cols);
+    wi.gate_up = inv->upload_host(gate_up.host.data(), gate_up.g.rows, gate_up.g.cols);
+    wi.down = inv->upload_host(down.host.data(), down.g.rows, down.g.cols);
+    Tensor xi = inv->upload_host(x.host.data(), c.m, c.h), whole = inv->alloc(c.m, c.h);
+    inv->moe(xi, wi, whole);
     for (int r : {0, c.m / 2, c.m - 1}) {
-      Tensor one = gpu->alloc(1, c.h);
-      gpu->moe(x.g.slice_rows(r, 1), wg, one);
-      ASSERT_EQ(gpu->to_host(one), gpu->to_host(out.g.slice_rows(r, 1))) << what << ": row " << r << " alone";
+      Tensor one = inv->alloc(1, c.h);
+      inv->moe(xi.slice_rows(r, 1), wi, one);
+      ASSERT_EQ(inv->to_host(one), inv->to_host(whole.slice_rows(r, 1))) << what << ": row " << r << " alone";
       if (c.m >= 3) {
         const int r0 = std::min(r, c.m - 3);
-        Tensor three = gpu->alloc(3, c.h);
-        gpu->moe(x.g.slice_rows(r0, 3), wg, three);
-        ASSERT_EQ(gpu->to_host(three), gpu->to_host(out.g.slice_rows(r0, 3))) << what << ": rows " << r0 << "+3";
+        Tensor three = inv->alloc(3, c.h);
+        inv->moe(xi.slice_rows(r0, 3), wi, three);
+        ASSERT_EQ(inv->to_host(three), inv->to_host(whole.slice_rows(r0, 3))) << what << ": rows " << r0 << "+3";
       }
     }
 

@@ -1,12 +1,18 @@
-// Attention of long query segments (prefill chunks) on tensor cores, FlashAttention-2's way: a
-// block owns 16 query vectors a warp (rows x heads of one KV head's group, as in
-// attention_mma.cu) and walks the keys its rows see in tiles of 64, each K and V tile staged
-// once in shared memory (cp.async, double buffered) for all its warps; every warp keeps the
-// online softmax state of its 16 vectors in registers. One pass over the keys: no splits, no
-// partials, no combine. The decode kernel (attention_mma.cu) gives a block 16 vectors and walks
-// its keys 16 to a warp with a merge every 64; here 64 vectors share each key tile and nothing
-// is merged, at the price of a different summation order: rows do not match the decode kernel's
-// bits, so the backend takes this kernel only where rows need not (launch.h).
+// Attention on tensor cores, FlashAttention-2's way, for long query segments (prefill chunks)
+// and for rows with many keys: a block owns 16 query vectors a warp (rows x heads of one KV
+// head's group, as in attention_mma.cu) and walks the keys its rows see in tiles of 64, each K
+// and V tile staged once in shared memory (cp.async, double buffered) for all its warps; every
+// warp keeps the online softmax state of its 16 vectors in registers.
+//
+// Prefill form: one pass over all the keys, no splits. Long form (rows with at least
+// kAttnLongKeys keys): blocks of kAttnLongSplitKeys keys each (grid.y), whose partial states a
+// combine kernel merges in split order; a 16-row verification block then reads each K/V row
+// once per KV head, not once per 4-row tile as the decode kernel does.
+//
+// A vector's arithmetic does not depend on the other vectors of its block (tiles start at
+// multiples of 64, a tile with none of its keys leaves its state as it is), so rows are
+// batch-invariant; they do not match the decode kernel's bits (another summation order), so a
+// row's kernel must follow from the row alone where that matters (launch.h).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -36,17 +42,26 @@ struct PrefillSmem {
   bf16 v[2][kTileKeys][HD + 8];
 };
 
+// Splits of the long form a row's visible keys fall in (counted from key 0, as n_splits_of).
+__device__ __forceinline__ int long_splits(const Visible& v) {
+  return v.end > v.begin ? (v.end - 1) / kAttnLongSplitKeys - v.begin / kAttnLongSplitKeys + 1 : 0;
+}
+
 // A block: tile tiles[n_tiles - 1 - blockIdx.x / (KV heads x head chunks)] (the latest rows,
 // which see the most keys, start first), one KV head, one chunk of `heads` of its query heads.
 // Warp w takes rows w * R .. w * R + R - 1 of the tile (R = 16 / heads) x the chunk's heads;
 // lane (g, qd) holds vectors g and g + 8 in the mma fragment layout.
-template <int HD>
+// kSplit: the long form; block row blockIdx.y takes keys [y * S, y * S + S) (S =
+// kAttnLongSplitKeys) and a vector with keys in several splits writes its partial state (m in
+// log2 units, l, acc) to workspace[(row * n_heads + head) * max_splits + split].
+template <int HD, bool kSplit>
 __global__ void __launch_bounds__(kWarps * 32, 2)
-    attention_prefill_kernel(const bf16* __restrict__ q, int64_t q_stride, const bf16* __restrict__ kc,
-                             int64_t k_stride, const bf16* __restrict__ vc, int64_t v_stride,
-                             const AttnRow* __restrict__ rows, const AttnTile* __restrict__ tiles, int n_tiles,
-                             const int32_t* __restrict__ page_tables, AttnShape shp, int heads,
-                             bf16* __restrict__ out, int64_t out_stride) {
+    attention_tiles_kernel(const bf16* __restrict__ q, int64_t q_stride, const bf16* __restrict__ kc,
+                           int64_t k_stride, const bf16* __restrict__ vc, int64_t v_stride,
+                           const AttnRow* __restrict__ rows, const AttnTile* __restrict__ tiles, int n_tiles,
+                           const int32_t* __restrict__ page_tables, AttnShape shp, int heads,
+                           float* __restrict__ workspace, int max_splits, bf16* __restrict__ out,
+                           int64_t out_stride) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<PrefillSmem<HD>*>(smem_raw);
   constexpr int kSteps = HD / 16;  // 16-dim steps of the score product
@@ -85,7 +100,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     if (lane == 0) atomicMin(&range_s[0], b), atomicMax(&range_s[1], e);
   }
   __syncthreads();
-  const int key_begin = range_s[0] / kTileKeys * kTileKeys, key_end = range_s[1];
+  const int split = kSplit ? static_cast<int>(blockIdx.y) : 0;
+  const int split_begin = kSplit ? split * kAttnLongSplitKeys : 0;
+  const int split_end = kSplit ? split_begin + kAttnLongSplitKeys : INT32_MAX;
+  const int key_begin = max(range_s[0], split_begin) / kTileKeys * kTileKeys, key_end = min(range_s[1], split_end);
   const int n_key_tiles = key_end > key_begin ? (key_end - key_begin + kTileKeys - 1) / kTileKeys : 0;
 
   const int32_t* pages = page_tables + first.page_offset;
@@ -209,7 +227,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    if (!vok[h]) continue;
+    // The vector's splits: those its keys fall in (a row that sees no key: split 0, zeros).
+    const bool mine = lo[h] >= hi[h] ? split == 0 : lo[h] < split_end && hi[h] > split_begin;
+    if (!vok[h] || !mine) continue;
+    if (kSplit && long_splits(Visible{lo[h], hi[h]}) > 1) {
+      float* part = workspace + ((static_cast<int64_t>(vrow[h]) * shp.n_heads + vhead[h]) * max_splits + split) * (HD + 2);
+      if (qd == 0) part[0] = m[h], part[1] = l[h];
+#pragma unroll
+      for (int nt = 0; nt < kDimTiles; ++nt)
+        *reinterpret_cast<float2*>(part + 2 + nt * 8 + 2 * qd) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+      continue;
+    }
     const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // a row that sees no key: zeros
     bf16* o = out + vrow[h] * out_stride + static_cast<int64_t>(vhead[h]) * HD;
 #pragma unroll
@@ -219,10 +247,46 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   pdl_release();
 }
 
-template <int HD>
-void launch_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, const AttnTile* tiles,
-                    int n_tiles, const int32_t* page_tables, const AttnShape& shp, Mat out, cudaStream_t s) {
-  const auto kernel = attention_prefill_kernel<HD>;
+// A warp per (row, head) of the long form's rows with several splits merges their partial
+// states in split order (kDims dims a lane).
+template <int kDims>
+__global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows, AttnShape shp,
+                                    const float* __restrict__ workspace, int max_splits, bf16* __restrict__ out,
+                                    int64_t out_stride) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, hd = shp.head_dim;
+  const bool valid = item < static_cast<int64_t>(n_rows) * shp.n_heads;
+  const int row = valid ? static_cast<int>(item / shp.n_heads) : 0, head = static_cast<int>(item % shp.n_heads);
+  const Visible vis = visible_keys(rows[row], shp.sliding_window);
+  const int n_splits = valid ? long_splits(vis) : 0;
+  pdl_wait();
+  if (n_splits > 1) {
+    const int s0 = vis.begin / kAttnLongSplitKeys;
+    const float* base = workspace + item * max_splits * (hd + 2);
+    float m = -INFINITY, l = 0.0f, a[kDims] = {};
+    for (int s = s0; s < s0 + n_splits; ++s) {
+      const float* part = base + s * (hd + 2);
+      const float ms = __ldcg(part), m_new = fmaxf(m, ms);
+      if (m_new == -INFINITY) continue;  // neither has a visible key
+      const float c_self = fast_exp2(m - m_new), c_part = fast_exp2(ms - m_new);
+      l = l * c_self + __ldcg(part + 1) * c_part;
+#pragma unroll
+      for (int j = 0; j < kDims; ++j) a[j] = a[j] * c_self + __ldcg(part + 2 + lane + 32 * j) * c_part;
+      m = m_new;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    auto* o = reinterpret_cast<__nv_bfloat16*>(out + row * out_stride + static_cast<int64_t>(head) * hd);
+#pragma unroll
+    for (int j = 0; j < kDims; ++j) o[lane + 32 * j] = __float2bfloat16(a[j] * inv);
+  }
+  pdl_release();
+}
+
+template <int HD, bool kSplit>
+void launch_tiles(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, const AttnTile* tiles,
+                  int n_tiles, int splits, const int32_t* page_tables, const AttnShape& shp, float* workspace,
+                  Mat out, cudaStream_t s) {
+  const auto kernel = attention_tiles_kernel<HD, kSplit>;
   constexpr size_t smem = sizeof(PrefillSmem<HD>);
   static const bool configured = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -231,9 +295,9 @@ void launch_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cache, const 
   (void)configured;
   const int heads = attention_prefill_heads(shp), group = shp.n_heads / shp.n_kv_heads;
   const int chunks = (group + heads - 1) / heads;
-  const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks));
+  const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
   launch_smem(kernel, grid, kWarps * 32, smem, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
-              v_cache.stride, rows, tiles, n_tiles, page_tables, shp, heads, out.data, out.stride);
+              v_cache.stride, rows, tiles, n_tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride);
 }
 
 }  // namespace
@@ -252,8 +316,31 @@ void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cac
                               const AttnTile* tiles, int n_tiles, const int32_t* page_tables, const AttnShape& shp,
                               Mat out, cudaStream_t s) {
   if (n_tiles == 0) return;
-  if (shp.head_dim == 64) launch_prefill<64>(q, k_cache, v_cache, rows, tiles, n_tiles, page_tables, shp, out, s);
-  else launch_prefill<128>(q, k_cache, v_cache, rows, tiles, n_tiles, page_tables, shp, out, s);
+  if (shp.head_dim == 64)
+    launch_tiles<64, false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, out, s);
+  else
+    launch_tiles<128, false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, out, s);
+}
+
+int64_t attention_long_workspace_bytes(int n_rows, int max_keys, const AttnShape& shp) {
+  const int64_t splits = (max_keys + kAttnLongSplitKeys - 1) / kAttnLongSplitKeys;
+  return splits > 1 ? int64_t{n_rows} * shp.n_heads * splits * (shp.head_dim + 2) * int64_t{sizeof(float)} : 0;
+}
+
+void launch_attention_long(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
+                           const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
+                           const AttnShape& shp, float* workspace, Mat out, cudaStream_t s) {
+  if (n_tiles == 0) return;
+  const int splits = std::max(1, (max_keys + kAttnLongSplitKeys - 1) / kAttnLongSplitKeys);
+  if (shp.head_dim == 64)
+    launch_tiles<64, true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out, s);
+  else
+    launch_tiles<128, true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out, s);
+  if (splits <= 1) return;
+  const int64_t items = int64_t{n_rows} * shp.n_heads;
+  const auto combine = shp.head_dim == 64 ? long_combine_kernel<2> : long_combine_kernel<4>;
+  launch(combine, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, static_cast<const float*>(workspace),
+         splits, out.data, out.stride);
 }
 
 }  // namespace dflash::cuda

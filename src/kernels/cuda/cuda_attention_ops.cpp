@@ -33,6 +33,27 @@ bool rows_are_last_keys(const std::vector<AttentionSegment>& segments, const std
   return true;
 }
 
+// Which kernel a row takes: the decode kernel (attention_mma.cu), the prefill form or the long
+// form (attention_prefill.cu).
+enum class RowKernel { decode, prefill, tiles_long };
+
+// A row's visible keys from its own position and key count (as the kernels count them).
+int visible_count(int32_t position, int32_t n_keys, bool causal, int window) {
+  const int end = causal ? std::min(position + 1, n_keys) : n_keys;
+  const int begin = window > 0 ? std::max(0, position - window + 1) : 0;
+  return std::max(0, end - begin);
+}
+
+// The launches of one attention call: each kernel's tiles, and its rows with every other
+// kernel's rows given no keys (each combine walks all the rows and leaves those alone).
+struct AttentionPlan {
+  std::vector<AttnRow> rows;                     // every row as it is (the prefill form's)
+  std::vector<AttnRow> decode_rows, long_rows;   // the others without keys
+  std::vector<AttnTile> decode_tiles, prefill_tiles, long_tiles;
+  std::vector<int32_t> tables;
+  int decode_keys = 0, long_keys = 0;            // the most keys a launch is sized for
+};
+
 }  // namespace
 
 void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
@@ -59,11 +80,16 @@ void CudaBackend::qkv_attention(Tensor& qkv, const Tensor* q_norm, const Tensor*
     return separate();
   const int tile_rows = attention_rows_per_tile(shape);
   int n_tiles = 0, max_keys = 0;
+  bool tiles_form = false;  // a row takes the prefill or the long form (run_attention): not fused
   for (const auto& seg : segments) {
     n_tiles += (seg.n_rows + tile_rows - 1) / tile_rows;
     max_keys = std::max(max_keys, launch_keys(seg));
+    tiles_form = tiles_form || (seg.n_rows > 0 && attention_prefill_heads(shape) > 0 &&
+                                ((!options_.batch_invariant && seg.n_rows >= kPrefillMinRows) ||
+                                 visible_count(positions[seg.first_row + seg.n_rows - 1], seg.n_keys, seg.causal,
+                                               p.sliding_window) >= kAttnLongKeys));
   }
-  if (!attention_fresh_supported(shape, n_tiles, max_keys)) return separate();
+  if (tiles_form || !attention_fresh_supported(shape, n_tiles, max_keys)) return separate();
   const float2* rope = rope_table(inv_freq, max_keys - 1);
   if (!rope) return separate();  // a capture needs a larger table than there is
   for (int32_t slot : slots) check(slot >= 0 && slot < k_cache.rows, "cuda backend: KV slot out of range");
@@ -80,68 +106,99 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
         " is not supported (multiple of 8, <= 256)");
   check(p.n_kv_heads > 0 && p.n_heads % p.n_kv_heads == 0, "cuda backend: heads do not form GQA groups");
   const AttnShape shape{p.n_heads, p.n_kv_heads, p.head_dim, p.page_size, p.sliding_window};
-  const int tile_rows = attention_rows_per_tile(shape);
-  // Segments of many rows (prefill chunks) go to the prefill kernel, unless rows must not
-  // depend on their batch: its rows differ from the decode kernel's in the last bits.
-  const bool prefill_form = !fresh && !options_.batch_invariant && attention_prefill_heads(shape) > 0;
-  const int prefill_rows = attention_prefill_rows_per_tile(shape);
-  std::vector<AttnRow> rows(static_cast<size_t>(q.rows));
-  std::vector<AttnTile> tiles, prefill_tiles;
-  std::vector<int32_t> tables;
-  int max_keys = 0;
+  const int tile_rows = attention_rows_per_tile(shape), wide_rows = attention_prefill_rows_per_tile(shape);
+  const bool tiles_form = attention_prefill_heads(shape) > 0 && !fresh;
+  // Segments of many rows (prefill chunks) take the prefill form, unless rows must not depend on
+  // their batch (a chunk's length does). Rows with many keys take the long form, by their own
+  // key count: a verification row and the same row decoded alone get the same bits.
+  const bool prefill_form = tiles_form && !options_.batch_invariant;
+  auto kernel_of = [&](const AttentionSegment& seg, int32_t r) {
+    if (prefill_form && seg.n_rows >= kPrefillMinRows) return RowKernel::prefill;
+    if (tiles_form && visible_count(positions[r], seg.n_keys, seg.causal, p.sliding_window) >= kAttnLongKeys)
+      return RowKernel::tiles_long;
+    return RowKernel::decode;
+  };
+  AttentionPlan plan;
+  plan.rows.resize(static_cast<size_t>(q.rows));
   for (const auto& seg : segments) {
     const int n_table = (launch_keys(seg) + p.page_size - 1) / p.page_size;
-    const auto offset = static_cast<int32_t>(tables.size());
-    tables.insert(tables.end(), seg.page_table, seg.page_table + n_table);
+    const auto offset = static_cast<int32_t>(plan.tables.size());
+    plan.tables.insert(plan.tables.end(), seg.page_table, seg.page_table + n_table);
     const int32_t fresh_begin = fresh ? seg.n_keys - seg.n_rows : std::numeric_limits<int32_t>::max();
     for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; ++r) {
-      rows[r] = {positions[r], seg.n_keys, seg.causal ? 1 : 0, offset, fresh_begin, seg.first_row};
+      plan.rows[r] = {positions[r], seg.n_keys, seg.causal ? 1 : 0, offset, fresh_begin, seg.first_row};
     }
-    const bool long_segment = prefill_form && seg.n_rows >= kPrefillMinRows;
-    const int step = long_segment ? prefill_rows : tile_rows;
-    for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; r += step) {
-      (long_segment ? prefill_tiles : tiles).push_back({r, std::min(step, seg.first_row + seg.n_rows - r)});
+    // Tiles: runs of rows of one kernel, cut at its tile size.
+    for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows;) {
+      const RowKernel k = kernel_of(seg, r);
+      const int step = k == RowKernel::decode ? tile_rows : wide_rows;
+      int32_t n = 1;
+      while (n < step && r + n < seg.first_row + seg.n_rows && kernel_of(seg, r + n) == k) ++n;
+      auto& tiles = k == RowKernel::decode    ? plan.decode_tiles
+                    : k == RowKernel::prefill ? plan.prefill_tiles
+                                              : plan.long_tiles;
+      tiles.push_back({r, n});
+      if (k == RowKernel::decode) plan.decode_keys = std::max(plan.decode_keys, launch_keys(seg));
+      if (k == RowKernel::tiles_long) plan.long_keys = std::max(plan.long_keys, launch_keys(seg));
+      r += n;
     }
-    if (!long_segment) max_keys = std::max(max_keys, launch_keys(seg));
   }
-  if (tables.empty()) tables.push_back(0);
-  const int n_prefill_tiles = static_cast<int>(prefill_tiles.size());
-  const auto* d_prefill_rows =
-      n_prefill_tiles ? static_cast<const AttnRow*>(staging_.stage_bytes(rows.data(), rows.size() * sizeof(rows[0])))
-                      : nullptr;
-  const auto* d_prefill_tiles =
-      n_prefill_tiles ? static_cast<const AttnTile*>(
-                            staging_.stage_bytes(prefill_tiles.data(), prefill_tiles.size() * sizeof(prefill_tiles[0])))
-                      : nullptr;
-  // The other kernels see the prefill kernel's rows without keys: the split combine, which
-  // walks every row, leaves them alone.
-  for (const AttnTile& t : prefill_tiles)
-    for (int32_t r = t.first_row; r < t.first_row + t.n_rows; ++r) rows[r].position = rows[r].n_keys = 0;
-  const bool others = n_prefill_tiles == 0 || !tiles.empty();
-  if (tiles.empty()) tiles.push_back({0, 0});
-  const int n_rows = static_cast<int>(q.rows), n_tiles = static_cast<int>(tiles.size());
-  const int64_t ws =
-      attention_workspace_bytes(n_rows, n_tiles, max_keys, shape, fresh != nullptr, forms_.attention_splits);
-  float* workspace = static_cast<float*>(workspace_for(ws));
-  const auto* d_rows = static_cast<const AttnRow*>(staging_.stage_bytes(rows.data(), rows.size() * sizeof(rows[0])));
-  const auto* d_tiles =
-      static_cast<const AttnTile*>(staging_.stage_bytes(tiles.data(), tiles.size() * sizeof(tiles[0])));
-  const int32_t* d_tables = staging_.stage(tables);
-  // The key count sizes the splits (and with the tiles picks the forms): a graph holds to the
-  // one it was captured with, to the fused or separate form and to the prefill kernel or none.
-  const int64_t decision = (int64_t{max_keys} * 2 + (fresh ? 1 : 0)) * 2 + (n_prefill_tiles ? 1 : 0);
+  if (plan.tables.empty()) plan.tables.push_back(0);
+  auto without_keys_except = [&](const std::vector<AttnTile>& own) {
+    std::vector<AttnRow> rows(plan.rows.size(), AttnRow{0, 0, 1, 0, 0, 0});
+    for (const AttnTile& t : own)
+      for (int32_t r = t.first_row; r < t.first_row + t.n_rows; ++r) rows[r] = plan.rows[r];
+    return rows;
+  };
+  const bool any_prefill = !plan.prefill_tiles.empty(), any_long = !plan.long_tiles.empty();
+  const bool any_decode = !plan.decode_tiles.empty() || (!any_prefill && !any_long);
+  plan.decode_rows = any_prefill || any_long ? without_keys_except(plan.decode_tiles) : plan.rows;
+  if (any_long) plan.long_rows = without_keys_except(plan.long_tiles);
+  if (plan.decode_tiles.empty()) plan.decode_tiles.push_back({0, 0});
+
+  const int n_rows = static_cast<int>(q.rows), n_tiles = static_cast<int>(plan.decode_tiles.size());
+  const int64_t ws_decode = attention_workspace_bytes(n_rows, n_tiles, plan.decode_keys, shape, fresh != nullptr,
+                                                      forms_.attention_splits);
+  const int64_t ws_long = any_long ? attention_long_workspace_bytes(n_rows, plan.long_keys, shape) : 0;
+  const int64_t ws_decode_aligned = (ws_decode + 255) / 256 * 256;
+  auto* workspace = static_cast<char*>(workspace_for(ws_decode_aligned + ws_long));
+  auto stage_rows = [&](const std::vector<AttnRow>& rows) {
+    return static_cast<const AttnRow*>(staging_.stage_bytes(rows.data(), rows.size() * sizeof(rows[0])));
+  };
+  auto stage_tiles = [&](const std::vector<AttnTile>& tiles) {
+    return static_cast<const AttnTile*>(staging_.stage_bytes(tiles.data(), tiles.size() * sizeof(tiles[0])));
+  };
+  const AttnRow* d_rows = stage_rows(plan.decode_rows);
+  const AttnTile* d_tiles = stage_tiles(plan.decode_tiles);
+  const AttnRow* d_all_rows = any_prefill ? stage_rows(plan.rows) : nullptr;
+  const AttnTile* d_prefill_tiles = any_prefill ? stage_tiles(plan.prefill_tiles) : nullptr;
+  const AttnRow* d_long_rows = any_long ? stage_rows(plan.long_rows) : nullptr;
+  const AttnTile* d_long_tiles = any_long ? stage_tiles(plan.long_tiles) : nullptr;
+  const int32_t* d_tables = staging_.stage(plan.tables);
+  // The key counts size the splits and the tiles the grids (which rows take the long form moves
+  // with their positions): a graph holds to the ones it was captured with, and to the fused or
+  // separate form.
+  int64_t decision = fresh ? 1 : 0;
+  for (int64_t v : {int64_t{plan.decode_keys}, int64_t{plan.long_keys}, int64_t{n_tiles},
+                    static_cast<int64_t>(plan.prefill_tiles.size()), static_cast<int64_t>(plan.long_tiles.size())})
+    decision = decision * 1000003 + v;
   staging_.launch(
       [&](cudaStream_t s) {
-        if (n_prefill_tiles)
-          launch_attention_prefill(mat(q), mat(k_cache), mat(v_cache), d_prefill_rows, d_prefill_tiles,
-                                   n_prefill_tiles, d_tables, shape, mat(out), s);
-        if (!others) return;
+        if (any_prefill)
+          launch_attention_prefill(mat(q), mat(k_cache), mat(v_cache), d_all_rows, d_prefill_tiles,
+                                   static_cast<int>(plan.prefill_tiles.size()), d_tables, shape, mat(out), s);
+        if (any_long)
+          launch_attention_long(mat(q), mat(k_cache), mat(v_cache), d_long_rows, n_rows, d_long_tiles,
+                                static_cast<int>(plan.long_tiles.size()), plan.long_keys, d_tables, shape,
+                                reinterpret_cast<float*>(workspace + ws_decode_aligned), mat(out), s);
+        if (!any_decode) return;
+        auto* ws = reinterpret_cast<float*>(workspace);
         if (fresh)
           launch_attention_fresh(mat(q), *fresh, mat(k_cache), mat(v_cache), d_rows, n_rows, d_tiles, n_tiles,
-                                 max_keys, d_tables, shape, workspace, mat(out), forms_, s);
+                                 plan.decode_keys, d_tables, shape, ws, mat(out), forms_, s);
         else
-          launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, n_rows, d_tiles, n_tiles, max_keys, d_tables,
-                           shape, workspace, mat(out), forms_, s);
+          launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, n_rows, d_tiles, n_tiles, plan.decode_keys,
+                           d_tables, shape, ws, mat(out), forms_, s);
       },
       decision);
 }

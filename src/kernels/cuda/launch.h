@@ -221,14 +221,23 @@ int attention_rows_per_tile(const AttnShape& shape);
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
                       const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
                       const AttnShape& shape, float* workspace, Mat out, const KernelForms& forms, cudaStream_t s);
-// Long query segments (prefill chunks): the FlashAttention-2 form (attention_prefill.cu), for
-// head_dim 64 and 128 (heads 0 otherwise). Tiles of attention_prefill_rows_per_tile rows of one
-// segment; one pass over the keys, no workspace. Its rows do not match launch_attention's bits.
+// The FlashAttention-2 form (attention_prefill.cu), for head_dim 64 and 128 (heads 0
+// otherwise), over tiles of attention_prefill_rows_per_tile rows of one segment. Its rows do not
+// match launch_attention's bits. Prefill: one pass over all the keys, no workspace (long query
+// segments). Long: rows with at least kAttnLongKeys visible keys (their own count, so that a
+// verification row and the same row decoded alone take the same kernel), in splits of
+// kAttnLongSplitKeys keys merged by a combine kernel; `rows` gives the other rows no keys.
+constexpr int kAttnLongKeys = 8192;
+constexpr int kAttnLongSplitKeys = 512;
 int attention_prefill_heads(const AttnShape& shape);
 int attention_prefill_rows_per_tile(const AttnShape& shape);
 void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
                               const AttnTile* tiles, int n_tiles, const int32_t* page_tables, const AttnShape& shape,
                               Mat out, cudaStream_t s);
+int64_t attention_long_workspace_bytes(int n_rows, int max_keys, const AttnShape& shape);
+void launch_attention_long(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
+                           const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
+                           const AttnShape& shape, float* workspace, Mat out, cudaStream_t s);
 // The fused form (AttnFresh) exists for head_dim 64 and 128 on the tensor-core kernel, and is
 // taken while its grid (n_tiles tiles of attention_rows_per_tile rows) fits the GPU at once.
 bool attention_fresh_supported(const AttnShape& shape, int n_tiles, int max_keys);

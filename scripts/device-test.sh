@@ -13,7 +13,7 @@
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
 # Steps can be chosen with STEPS="fixtures-moe tests logits sites bench bench-moe profile ab builds serving
-# serving-moe sampling ncu ncu-decode graphs" (default: tests logits bench serving).
+# serving-moe ttft sampling ncu ncu-decode graphs" (default: tests logits bench serving).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -243,6 +243,16 @@ if [[ " $steps " == *" serving "* ]]; then
   python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
     --max-tokens 128 --server-args "--device cuda" \
     --json "$out/serving_gpu_bundled.json" 2>&1 | tee "$out/serving_gpu_bundled.txt" || status=1
+fi
+if [[ $steps == *ttft* ]]; then
+  # Time to first token of a fresh server, the first request against later ones (8B-shaped
+  # random pair, DFlash serving; prompts of random token ids, a new one each request).
+  echo "== time to first token: first request and later ones =="
+  random_8b_pair
+  tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$ckpt/qwen3-8b/"
+  python3 tools/bench_ttft.py --dflash "$dflash" --prompt-tokens "${TTFT_PROMPTS:-512,4096}" --requests 6 \
+    --server-args "--device cuda --model $ckpt/qwen3-8b --draft $ckpt/dflash-8b --gpu-memory-fraction 0.9" \
+    --json "$out/ttft_qwen3-8b-shape.json" 2>&1 | tee "$out/ttft_qwen3-8b-shape.txt" || status=1
 fi
 if [[ $steps == *sampling* ]]; then
   # Sampled generation (temperature 0.6, top-k 20, top-p 0.95: Qwen3's generation_config), the

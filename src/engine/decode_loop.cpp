@@ -28,6 +28,13 @@ DecodeLoop::DecodeLoop(ModelSet& m, const LoopOptions& o)
   stats_.position_accepted.assign(std::max(runner_.block() - 1, 0), 0);
 }
 
+void DecodeLoop::reset_stats() {
+  LoopStats fresh;
+  fresh.acceptance_histogram.assign(stats_.acceptance_histogram.size(), 0);
+  fresh.position_accepted.assign(stats_.position_accepted.size(), 0);
+  stats_ = std::move(fresh);
+}
+
 int64_t DecodeLoop::kv_cache_bytes() const {
   int64_t n = 0;
   for (const KvCache* c : {&caches_.target, &caches_.draft}) {

@@ -52,6 +52,7 @@ class DecodeLoop {
   bool idle() const { return sched_.empty(); }
 
   const LoopStats& stats() const { return stats_; }
+  void reset_stats();  // counters back to zero (after a warm-up)
   const Scheduler& scheduler() const { return sched_; }
   const StepRunner& runner() const { return runner_; }
   int block() const { return runner_.block(); }

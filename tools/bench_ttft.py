@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Time to first token of a fresh server: starts `dflash serve`, then sends one request at a time
+with a prompt of N random token ids (a new prompt each time: no prefix-cache hits) and
+max_tokens 1, and prints each request's latency (prefill + one token) and prompt tokens/s, the
+first request against the median of the later ones. --json writes the rows with settings.
+
+Usage:
+  python3 tools/bench_ttft.py --dflash build/dflash --server-args "--model DIR" \\
+      --prompt-tokens 512,4096 --requests 6 [--json out.json]
+"""
+import argparse
+import http.client
+import json
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+import urllib.parse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serving import Server  # noqa: E402
+
+
+def complete(server, ids):
+    u = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=3600)
+    body = {"model": server.model, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    res = conn.getresponse()
+    text = res.read().decode()
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    if res.status != 200:
+        raise RuntimeError(f"HTTP {res.status}: {text}")
+    usage = json.loads(text)["usage"]
+    if usage["prompt_tokens"] != len(ids):
+        raise RuntimeError(f"the server counted {usage['prompt_tokens']} prompt tokens, sent {len(ids)}")
+    return elapsed
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dflash", required=True)
+    ap.add_argument("--server-args", default="")
+    ap.add_argument("--prompt-tokens", default="512")
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=150000, help="token ids are drawn from [100, vocab)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rng = random.Random(7)
+    rows = []
+    for n in [int(x) for x in a.prompt_tokens.split(",")]:
+        server = Server(a.dflash, shlex.split(a.server_args))
+        try:
+            lat = [complete(server, [rng.randrange(100, a.vocab) for _ in range(n)]) for _ in range(a.requests)]
+        finally:
+            server.stop()
+        later = statistics.median(lat[1:]) if len(lat) > 1 else lat[0]
+        row = {"prompt_tokens": n, "latency_ms": [round(x * 1e3, 2) for x in lat],
+               "first_ms": round(lat[0] * 1e3, 2), "later_median_ms": round(later * 1e3, 2),
+               "first_over_later": round(lat[0] / later, 3), "later_tokens_per_s": round(n / later, 1)}
+        rows.append(row)
+        print(f"prompt {n:6d}: first {row['first_ms']:9.2f} ms, later (median) {row['later_median_ms']:9.2f} ms "
+              f"({row['later_tokens_per_s']:.0f} tokens/s), first/later {row['first_over_later']:.3f}; "
+              f"all {row['latency_ms']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"settings": vars(a), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

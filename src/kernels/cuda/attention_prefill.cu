@@ -231,7 +231,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     const bool mine = lo[h] >= hi[h] ? split == 0 : lo[h] < split_end && hi[h] > split_begin;
     if (!vok[h] || !mine) continue;
     if (kSplit && long_splits(Visible{lo[h], hi[h]}) > 1) {
-      float* part = workspace + ((static_cast<int64_t>(vrow[h]) * shp.n_heads + vhead[h]) * max_splits + split) * (HD + 2);
+      const int64_t item = static_cast<int64_t>(vrow[h]) * shp.n_heads + vhead[h];
+      float* part = workspace + (item * max_splits + split) * (HD + 2);
       if (qd == 0) part[0] = m[h], part[1] = l[h];
 #pragma unroll
       for (int nt = 0; nt < kDimTiles; ++nt)
@@ -339,8 +340,8 @@ void launch_attention_long(const Mat& q, const Mat& k_cache, const Mat& v_cache,
   if (splits <= 1) return;
   const int64_t items = int64_t{n_rows} * shp.n_heads;
   const auto combine = shp.head_dim == 64 ? long_combine_kernel<2> : long_combine_kernel<4>;
-  launch(combine, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, static_cast<const float*>(workspace),
-         splits, out.data, out.stride);
+  launch(combine, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp,
+         static_cast<const float*>(workspace), splits, out.data, out.stride);
 }
 
 }  // namespace dflash::cuda

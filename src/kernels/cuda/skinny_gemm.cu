@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   w += blockIdx.y * w_group_step;
   out += blockIdx.y * out_group_cols;
   St* ring = reinterpret_cast<St*>(smem_raw) + warp * S;
-  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide, kRouted>());  // kNorm: [M][norm_row_elems(K)]
+  // kNorm: the normalized rows, [M][norm_row_elems(K)]
+  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide, kRouted>());
   const int n_chunks = (K + kChunk - 1) / kChunk;
   const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
 
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       if (i >= n_mine) return;
       const int k0 = (warp + i * kWarps) * kChunk;
       St& st = ring[i % S];
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 2 * RT; ++j) {
         const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
         const int64_t f = n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
@@ -141,123 +142,123 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
       }
   };
-  auto issue_x = [&](int i) {
-    if constexpr (!kNorm) {
-      if (i >= n_mine) return;
-      const int k = (warp + i * kWarps) * kChunk + q * 8;
-      St& st = ring[i % S];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int t = mt * 8 + g;
-        const bool ok = t < M && k < K;
-        cp_async16(&st.x[mt][g][q], ok ? x + x_row(t) * x_stride + k : x, ok);
-      }
-    }
-  };
-#pragma unroll
-  for (int i = 0; i < S; ++i) {
-    issue_w(i);
-    cp_async_commit();
-  }
-  if constexpr (!kRouted) pdl_begin();
-  if constexpr (kNorm) {
-    // The weights above are on their way while the rows are normalized.
-    const int64_t rs = norm_row_elems(K);
-    for (int t = 0; t < M; ++t) {
-      auto store = [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(rows + t * rs + 8 * i) = y; };
-      const R* res = static_cast<const R*>(norm.residual) + t * norm.residual_stride;
-      if (norm.delta) {
-        R* res_out = blockIdx.x == 0 ? static_cast<R*>(norm.residual_out) + t * norm.residual_out_stride : nullptr;
-        norm_row<true>(res, norm.delta + t * norm.delta_stride, res_out, norm.weight, norm.eps, K, store);
-      } else {
-        norm_row<false>(res, nullptr, static_cast<R*>(nullptr), norm.weight, norm.eps, K, store);
-      }
-    }
-    __syncthreads();
-  } else {
-#pragma unroll
-    for (int i = 0; i < S; ++i) {
-      issue_x(i);
-      cp_async_commit();
-    }
-  }
-
-  float acc[RT][MT][4];
-#pragma unroll
-  for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.0f;
-
-  // Warp j sums its chunks j, j + 8, ... in increasing order.
-  for (int i = 0; i < n_mine; ++i) {
-    cp_async_wait<S - 1>();  // chunk i has landed (later groups may still be in flight)
-    __syncwarp();
-    const St& st = ring[i % S];
-    uint4 wv[RT][2], xv[MT];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt) wv[rt][0] = st.w[rt][g][q], wv[rt][1] = st.w[rt][g + 8][q];
-    if constexpr (kNorm) {
-      const int k = (warp + i * kWarps) * kChunk + q * 8;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int t = mt * 8 + g;
-        xv[mt] = t < M && k < K ? *reinterpret_cast<const uint4*>(rows + t * norm_row_elems(K) + k) : uint4{};
-      }
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
-    }
-    __syncwarp();  // every lane has read the stage before it is refilled
-    issue_w(i + S);
-    issue_x(i + S);
-    cp_async_commit();
-#pragma unroll
-    for (int s = 0; s < 2; ++s)
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt) {
-        const uint4& lo = wv[rt][0];
-        const uint4& hi = wv[rt][1];
-        const uint32_t a0 = s ? lo.z : lo.x, a1 = s ? hi.z : hi.x, a2 = s ? lo.w : lo.y, a3 = s ? hi.w : hi.y;
+    auto issue_x = [&](int i) {
+      if constexpr (!kNorm) {
+        if (i >= n_mine) return;
+        const int k = (warp + i * kWarps) * kChunk + q * 8;
+        St& st = ring[i % S];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const uint4& b = xv[mt];
-          mma_bf16(acc[rt][mt], a0, a1, a2, a3, s ? b.z : b.x, s ? b.w : b.y);
+          const int t = mt * 8 + g;
+          const bool ok = t < M && k < K;
+          cp_async16(&st.x[mt][g][q], ok ? x + x_row(t) * x_stride + k : x, ok);
         }
       }
-  }
-  cp_async_wait<0>();
-
-  // Cross-warp reduction in warp order, then bias and the bf16 store (red reuses the ring).
-  __syncthreads();
-  auto& red = *reinterpret_cast<float(*)[kWarps][RT][MT][4][32]>(smem_raw);
+    };
 #pragma unroll
-  for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[warp][rt][mt][i][lane] = acc[rt][mt][i];
-  __syncthreads();
-  constexpr int kElems = (kSwiglu ? 1 : RT) * MT * 4 * 32;
-  for (int e = threadIdx.x; e < kElems; e += kWarps * 32) {
-    const int l = e % 32, i = (e / 32) % 4, mt = (e / 128) % MT, rt = e / (128 * MT);
-    const int64_t feature = n0 + rt * 16 + l / 4 + (i >= 2 ? 8 : 0);
-    const int token = mt * 8 + (l % 4) * 2 + (i & 1);
-    if (feature >= N || token >= M) continue;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kWarps; ++j) sum += red[j][rt][mt][i][l];
-    if (bias) sum += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[feature]);
-    if constexpr (kSwiglu) {
-      float up = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kWarps; ++j) up += red[j][1][mt][i][l];
-      if (bias) up += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[N + feature]);
-      sum = sum / (1.0f + expf(-sum)) * up;  // float32 gate and up, rounded once below
+    for (int i = 0; i < S; ++i) {
+      issue_w(i);
+      cp_async_commit();
     }
-    reinterpret_cast<__nv_bfloat16*>(out)[out_row(token) * out_stride + feature] = __float2bfloat16(sum);
-  }
+    if constexpr (!kRouted) pdl_begin();
+    if constexpr (kNorm) {
+      // The weights above are on their way while the rows are normalized.
+      const int64_t rs = norm_row_elems(K);
+      for (int t = 0; t < M; ++t) {
+        auto store = [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(rows + t * rs + 8 * i) = y; };
+        const R* res = static_cast<const R*>(norm.residual) + t * norm.residual_stride;
+        if (norm.delta) {
+          R* res_out = blockIdx.x == 0 ? static_cast<R*>(norm.residual_out) + t * norm.residual_out_stride : nullptr;
+          norm_row<true>(res, norm.delta + t * norm.delta_stride, res_out, norm.weight, norm.eps, K, store);
+        } else {
+          norm_row<false>(res, nullptr, static_cast<R*>(nullptr), norm.weight, norm.eps, K, store);
+        }
+      }
+      __syncthreads();
+    } else {
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        issue_x(i);
+        cp_async_commit();
+      }
+    }
+
+    float acc[RT][MT][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.0f;
+
+    // Warp j sums its chunks j, j + 8, ... in increasing order.
+    for (int i = 0; i < n_mine; ++i) {
+      cp_async_wait<S - 1>();  // chunk i has landed (later groups may still be in flight)
+      __syncwarp();
+      const St& st = ring[i % S];
+      uint4 wv[RT][2], xv[MT];
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) wv[rt][0] = st.w[rt][g][q], wv[rt][1] = st.w[rt][g + 8][q];
+      if constexpr (kNorm) {
+        const int k = (warp + i * kWarps) * kChunk + q * 8;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int t = mt * 8 + g;
+          xv[mt] = t < M && k < K ? *reinterpret_cast<const uint4*>(rows + t * norm_row_elems(K) + k) : uint4{};
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
+      }
+      __syncwarp();  // every lane has read the stage before it is refilled
+      issue_w(i + S);
+      issue_x(i + S);
+      cp_async_commit();
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          const uint4& lo = wv[rt][0];
+          const uint4& hi = wv[rt][1];
+          const uint32_t a0 = s ? lo.z : lo.x, a1 = s ? hi.z : hi.x, a2 = s ? lo.w : lo.y, a3 = s ? hi.w : hi.y;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint4& b = xv[mt];
+            mma_bf16(acc[rt][mt], a0, a1, a2, a3, s ? b.z : b.x, s ? b.w : b.y);
+          }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Cross-warp reduction in warp order, then bias and the bf16 store (red reuses the ring).
+    __syncthreads();
+    auto& red = *reinterpret_cast<float(*)[kWarps][RT][MT][4][32]>(smem_raw);
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][rt][mt][i][lane] = acc[rt][mt][i];
+    __syncthreads();
+    constexpr int kElems = (kSwiglu ? 1 : RT) * MT * 4 * 32;
+    for (int e = threadIdx.x; e < kElems; e += kWarps * 32) {
+      const int l = e % 32, i = (e / 32) % 4, mt = (e / 128) % MT, rt = e / (128 * MT);
+      const int64_t feature = n0 + rt * 16 + l / 4 + (i >= 2 ? 8 : 0);
+      const int token = mt * 8 + (l % 4) * 2 + (i & 1);
+      if (feature >= N || token >= M) continue;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kWarps; ++j) sum += red[j][rt][mt][i][l];
+      if (bias) sum += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[feature]);
+      if constexpr (kSwiglu) {
+        float up = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kWarps; ++j) up += red[j][1][mt][i][l];
+        if (bias) up += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[N + feature]);
+        sum = sum / (1.0f + expf(-sum)) * up;  // float32 gate and up, rounded once below
+      }
+      reinterpret_cast<__nv_bfloat16*>(out)[out_row(token) * out_stride + feature] = __float2bfloat16(sum);
+    }
   };
 
   if constexpr (kRouted) {

@@ -308,7 +308,7 @@ bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks) {
 int64_t attention_workspace_bytes(int n_rows, int n_tiles, int max_keys, const AttnShape& shape, bool fused,
                                   KernelForms::Splits form) {
   const int splits = max_splits_for(max_keys);
-  if (splits <= 1 || attention_mma_combines_splits(shape, n_tiles, splits, fused, form)) return 0;
+  if (splits <= 1 || attention_mma_combines_splits(shape, n_rows, n_tiles, splits, fused, form)) return 0;
   return static_cast<int64_t>(n_rows) * shape.n_heads * splits * (shape.head_dim + 2) * sizeof(float);
 }
 
@@ -329,8 +329,8 @@ void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_c
   if (n_rows == 0) return;
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
   bool early = false, combined = false;
-  launch_attention_mma(q, fresh, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out,
-                       forms.attention_splits, early, combined, s);
+  launch_attention_mma(q, fresh, k_cache, v_cache, rows, n_rows, tiles, n_tiles, splits, page_tables, shp, workspace,
+                       out, forms.attention_splits, early, combined, s);
   if (!combined) launch_combine(rows, n_rows, splits, shp, workspace, out, early, forms.combine, s);
 }
 

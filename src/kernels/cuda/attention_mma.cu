@@ -560,10 +560,10 @@ bool loop_splits(int64_t blocks, int64_t partial_bytes, KernelForms::Splits form
 }  // namespace
 
 void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
-                          const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
+                          const AttnRow* rows, int n_rows, const AttnTile* tiles, int n_tiles, int splits,
                           const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
                           KernelForms::Splits form, bool& released_early, bool& combined, cudaStream_t s) {
-  combined = attention_mma_combines_splits(shp, n_tiles, splits, fresh.k != nullptr, form);
+  combined = attention_mma_combines_splits(shp, n_rows, n_tiles, splits, fresh.k != nullptr, form);
   const dim3 grid = grid_of(shp, n_tiles, combined ? 1 : splits);
   const int heads = attention_mma_heads(shp);
   auto run = [&](auto kernel) {
@@ -584,11 +584,11 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
   }
 }
 
-bool attention_mma_combines_splits(const AttnShape& shp, int n_tiles, int splits, bool fused,
+bool attention_mma_combines_splits(const AttnShape& shp, int n_rows, int n_tiles, int splits, bool fused,
                                    KernelForms::Splits form) {
-  // The tiles' rows bound the rows (attention_workspace_bytes' own count).
-  const int64_t partial_bytes = int64_t{n_tiles} * (16 / std::max(1, attention_mma_heads(shp))) * shp.n_heads *
-                                splits * (shp.head_dim + 2) * int64_t{sizeof(float)};
+  // The partials are indexed by the call's rows, every one of them (attention_workspace_bytes).
+  const int64_t partial_bytes =
+      int64_t{n_rows} * shp.n_heads * splits * (shp.head_dim + 2) * int64_t{sizeof(float)};
   return attention_mma_heads(shp) > 0 && !fused && splits > 1 &&
          loop_splits(grid_of(shp, n_tiles, 1).x, partial_bytes, form);
 }

@@ -26,7 +26,7 @@ int sm_count();
 // Whether the tensor-core kernel takes its loop form for this call: one block runs a tile's
 // `splits` splits and combines them, so no partials go through the workspace (`form`: the rule,
 // or a side forced by KernelForms).
-bool attention_mma_combines_splits(const AttnShape& shape, int n_tiles, int splits, bool fused,
+bool attention_mma_combines_splits(const AttnShape& shape, int n_rows, int n_tiles, int splits, bool fused,
                                    KernelForms::Splits form);
 
 // Partial results of rows with several splits go to `workspace` for the combine kernel, unless
@@ -34,7 +34,7 @@ bool attention_mma_combines_splits(const AttnShape& shape, int n_tiles, int spli
 // set to whether the kernel releases its successor at its start. With fresh.k, the fused form
 // (launch.h's AttnFresh; head_dim 64 or 128).
 void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cache, const Mat& v_cache,
-                          const AttnRow* rows, const AttnTile* tiles, int n_tiles, int splits,
+                          const AttnRow* rows, int n_rows, const AttnTile* tiles, int n_tiles, int splits,
                           const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
                           KernelForms::Splits form, bool& released_early, bool& combined, cudaStream_t s);
 

@@ -53,15 +53,15 @@ __device__ __forceinline__ int long_splits(const Visible& v) {
 // lane (g, qd) holds vectors g and g + 8 in the mma fragment layout.
 // kSplit: the long form; block row blockIdx.y takes keys [y * S, y * S + S) (S =
 // kAttnLongSplitKeys) and a vector with keys in several splits writes its partial state (m in
-// log2 units, l, acc) to workspace[(row * n_heads + head) * max_splits + split].
+// log2 units, l, acc) to workspace[(work_rows[row] * n_heads + head) * max_splits + split].
 template <int HD, bool kSplit>
 __global__ void __launch_bounds__(kWarps * 32, 2)
     attention_tiles_kernel(const bf16* __restrict__ q, int64_t q_stride, const bf16* __restrict__ kc,
                            int64_t k_stride, const bf16* __restrict__ vc, int64_t v_stride,
                            const AttnRow* __restrict__ rows, const AttnTile* __restrict__ tiles, int n_tiles,
                            const int32_t* __restrict__ page_tables, AttnShape shp, int heads,
-                           float* __restrict__ workspace, int max_splits, bf16* __restrict__ out,
-                           int64_t out_stride) {
+                           const int32_t* __restrict__ work_rows, float* __restrict__ workspace, int max_splits,
+                           bf16* __restrict__ out, int64_t out_stride) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<PrefillSmem<HD>*>(smem_raw);
   constexpr int kSteps = HD / 16;  // 16-dim steps of the score product
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     const bool mine = lo[h] >= hi[h] ? split == 0 : lo[h] < split_end && hi[h] > split_begin;
     if (!vok[h] || !mine) continue;
     if (kSplit && long_splits(Visible{lo[h], hi[h]}) > 1) {
-      const int64_t item = static_cast<int64_t>(vrow[h]) * shp.n_heads + vhead[h];
+      const int64_t item = static_cast<int64_t>(work_rows[vrow[h]]) * shp.n_heads + vhead[h];
       float* part = workspace + (item * max_splits + split) * (HD + 2);
       if (qd == 0) part[0] = m[h], part[1] = l[h];
 #pragma unroll
@@ -252,8 +252,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 // states in split order (kDims dims a lane).
 template <int kDims>
 __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows, AttnShape shp,
-                                    const float* __restrict__ workspace, int max_splits, bf16* __restrict__ out,
-                                    int64_t out_stride) {
+                                    const int32_t* __restrict__ work_rows, const float* __restrict__ workspace,
+                                    int max_splits, bf16* __restrict__ out, int64_t out_stride) {
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32, hd = shp.head_dim;
   const bool valid = item < static_cast<int64_t>(n_rows) * shp.n_heads;
@@ -263,7 +263,8 @@ __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows
   pdl_wait();
   if (n_splits > 1) {
     const int s0 = vis.begin / kAttnLongSplitKeys;
-    const float* base = workspace + item * max_splits * (hd + 2);
+    const int64_t work_item = static_cast<int64_t>(work_rows[row]) * shp.n_heads + head;
+    const float* base = workspace + work_item * max_splits * (hd + 2);
     float m = -INFINITY, l = 0.0f, a[kDims] = {};
     for (int s = s0; s < s0 + n_splits; ++s) {
       const float* part = base + s * (hd + 2);
@@ -285,8 +286,8 @@ __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows
 
 template <int HD, bool kSplit>
 void launch_tiles(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, const AttnTile* tiles,
-                  int n_tiles, int splits, const int32_t* page_tables, const AttnShape& shp, float* workspace,
-                  Mat out, cudaStream_t s) {
+                  int n_tiles, int splits, const int32_t* page_tables, const AttnShape& shp, const int32_t* work_rows,
+                  float* workspace, Mat out, cudaStream_t s) {
   const auto kernel = attention_tiles_kernel<HD, kSplit>;
   constexpr size_t smem = sizeof(PrefillSmem<HD>);
   static const bool configured = [&] {
@@ -298,7 +299,8 @@ void launch_tiles(const Mat& q, const Mat& k_cache, const Mat& v_cache, const At
   const int chunks = (group + heads - 1) / heads;
   const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));
   launch_smem(kernel, grid, kWarps * 32, smem, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
-              v_cache.stride, rows, tiles, n_tiles, page_tables, shp, heads, workspace, splits, out.data, out.stride);
+              v_cache.stride, rows, tiles, n_tiles, page_tables, shp, heads, work_rows, workspace, splits, out.data,
+              out.stride);
 }
 
 }  // namespace
@@ -318,29 +320,32 @@ void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cac
                               Mat out, cudaStream_t s) {
   if (n_tiles == 0) return;
   if (shp.head_dim == 64)
-    launch_tiles<64, false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, out, s);
+    launch_tiles<64, false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, nullptr, out, s);
   else
-    launch_tiles<128, false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, out, s);
+    launch_tiles<128, false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, nullptr, out, s);
 }
 
-int64_t attention_long_workspace_bytes(int n_rows, int max_keys, const AttnShape& shp) {
+int64_t attention_long_workspace_bytes(int n_long_rows, int max_keys, const AttnShape& shp) {
   const int64_t splits = (max_keys + kAttnLongSplitKeys - 1) / kAttnLongSplitKeys;
-  return splits > 1 ? int64_t{n_rows} * shp.n_heads * splits * (shp.head_dim + 2) * int64_t{sizeof(float)} : 0;
+  return splits > 1 ? int64_t{n_long_rows} * shp.n_heads * splits * (shp.head_dim + 2) * int64_t{sizeof(float)} : 0;
 }
 
 void launch_attention_long(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
-                           const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
-                           const AttnShape& shp, float* workspace, Mat out, cudaStream_t s) {
+                           const int32_t* work_rows, const AttnTile* tiles, int n_tiles, int max_keys,
+                           const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
+                           cudaStream_t s) {
   if (n_tiles == 0) return;
   const int splits = std::max(1, (max_keys + kAttnLongSplitKeys - 1) / kAttnLongSplitKeys);
   if (shp.head_dim == 64)
-    launch_tiles<64, true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out, s);
+    launch_tiles<64, true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, work_rows, workspace,
+                           out, s);
   else
-    launch_tiles<128, true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, workspace, out, s);
+    launch_tiles<128, true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, work_rows, workspace,
+                            out, s);
   if (splits <= 1) return;
   const int64_t items = int64_t{n_rows} * shp.n_heads;
   const auto combine = shp.head_dim == 64 ? long_combine_kernel<2> : long_combine_kernel<4>;
-  launch(combine, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp,
+  launch(combine, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, work_rows,
          static_cast<const float*>(workspace), splits, out.data, out.stride);
 }
 

@@ -16,6 +16,8 @@ int32_t launch_keys(const AttentionSegment& seg) { return std::max(seg.n_keys, s
 // Segments of at least this many rows take the prefill kernel (more than any verification or
 // draft block).
 constexpr int kPrefillMinRows = 64;
+// The most bytes of long-form partials one call may take (see run_attention).
+constexpr int64_t kMaxLongPartialBytes = int64_t{256} << 20;
 
 // Whether each segment's rows are its last keys, in order, with the slots its page table gives.
 bool rows_are_last_keys(const std::vector<AttentionSegment>& segments, const std::vector<int32_t>& positions,
@@ -84,10 +86,13 @@ void CudaBackend::qkv_attention(Tensor& qkv, const Tensor* q_norm, const Tensor*
   for (const auto& seg : segments) {
     n_tiles += (seg.n_rows + tile_rows - 1) / tile_rows;
     max_keys = std::max(max_keys, launch_keys(seg));
-    tiles_form = tiles_form || (seg.n_rows > 0 && attention_prefill_heads(shape) > 0 &&
-                                ((!options_.batch_invariant && seg.n_rows >= kPrefillMinRows) ||
-                                 visible_count(positions[seg.first_row + seg.n_rows - 1], seg.n_keys, seg.causal,
-                                               p.sliding_window) >= kAttnLongKeys));
+    if (seg.n_rows == 0 || attention_prefill_heads(shape) == 0) continue;
+    // The most keys a row of the segment sees: its last row's (causal), else its first's (with a
+    // window, later rows of a non-causal block see fewer).
+    const int most = std::max(visible_count(positions[seg.first_row], seg.n_keys, seg.causal, p.sliding_window),
+                              visible_count(positions[seg.first_row + seg.n_rows - 1], seg.n_keys, seg.causal,
+                                            p.sliding_window));
+    tiles_form = tiles_form || (!options_.batch_invariant && seg.n_rows >= kPrefillMinRows) || most >= kAttnLongKeys;
   }
   if (tiles_form || !attention_fresh_supported(shape, n_tiles, max_keys)) return separate();
   const float2* rope = rope_table(inv_freq, max_keys - 1);
@@ -112,10 +117,26 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
   // their batch (a chunk's length does). Rows with many keys take the long form, by their own
   // key count: a verification row and the same row decoded alone get the same bits.
   const bool prefill_form = tiles_form && !options_.batch_invariant;
+  auto is_long = [&](const AttentionSegment& seg, int32_t r) {
+    return visible_count(positions[r], seg.n_keys, seg.causal, p.sliding_window) >= kAttnLongKeys;
+  };
+  // The long form's partials have no loop form to fall back on: beyond kMaxLongPartialBytes (a
+  // batch-invariant prompt chunk at tens of thousands of keys) the call's long rows take the
+  // decode kernel instead.
+  bool long_form = tiles_form;
+  if (long_form) {
+    int n_long = 0, most_keys = 0;
+    for (const auto& seg : segments) {
+      if (prefill_form && seg.n_rows >= kPrefillMinRows) continue;
+      for (int32_t r = seg.first_row; r < seg.first_row + seg.n_rows; ++r) {
+        if (is_long(seg, r)) ++n_long, most_keys = std::max(most_keys, launch_keys(seg));
+      }
+    }
+    long_form = attention_long_workspace_bytes(n_long, most_keys, shape) <= kMaxLongPartialBytes;
+  }
   auto kernel_of = [&](const AttentionSegment& seg, int32_t r) {
     if (prefill_form && seg.n_rows >= kPrefillMinRows) return RowKernel::prefill;
-    if (tiles_form && visible_count(positions[r], seg.n_keys, seg.causal, p.sliding_window) >= kAttnLongKeys)
-      return RowKernel::tiles_long;
+    if (long_form && is_long(seg, r)) return RowKernel::tiles_long;
     return RowKernel::decode;
   };
   AttentionPlan plan;
@@ -153,13 +174,20 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
   const bool any_prefill = !plan.prefill_tiles.empty(), any_long = !plan.long_tiles.empty();
   const bool any_decode = !plan.decode_tiles.empty() || (!any_prefill && !any_long);
   plan.decode_rows = any_prefill || any_long ? without_keys_except(plan.decode_tiles) : plan.rows;
-  if (any_long) plan.long_rows = without_keys_except(plan.long_tiles);
+  std::vector<int32_t> work_rows;  // a long row's place among the long rows (its partials)
+  int n_long_rows = 0;
+  if (any_long) {
+    plan.long_rows = without_keys_except(plan.long_tiles);
+    work_rows.assign(plan.rows.size(), -1);
+    for (const AttnTile& t : plan.long_tiles)
+      for (int32_t r = t.first_row; r < t.first_row + t.n_rows; ++r) work_rows[r] = n_long_rows++;
+  }
   if (plan.decode_tiles.empty()) plan.decode_tiles.push_back({0, 0});
 
   const int n_rows = static_cast<int>(q.rows), n_tiles = static_cast<int>(plan.decode_tiles.size());
   const int64_t ws_decode = attention_workspace_bytes(n_rows, n_tiles, plan.decode_keys, shape, fresh != nullptr,
                                                       forms_.attention_splits);
-  const int64_t ws_long = any_long ? attention_long_workspace_bytes(n_rows, plan.long_keys, shape) : 0;
+  const int64_t ws_long = any_long ? attention_long_workspace_bytes(n_long_rows, plan.long_keys, shape) : 0;
   const int64_t ws_decode_aligned = (ws_decode + 255) / 256 * 256;
   auto* workspace = static_cast<char*>(workspace_for(ws_decode_aligned + ws_long));
   auto stage_rows = [&](const std::vector<AttnRow>& rows) {
@@ -174,21 +202,23 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
   const AttnTile* d_prefill_tiles = any_prefill ? stage_tiles(plan.prefill_tiles) : nullptr;
   const AttnRow* d_long_rows = any_long ? stage_rows(plan.long_rows) : nullptr;
   const AttnTile* d_long_tiles = any_long ? stage_tiles(plan.long_tiles) : nullptr;
+  const int32_t* d_work_rows = any_long ? staging_.stage(work_rows) : nullptr;
   const int32_t* d_tables = staging_.stage(plan.tables);
   // The key counts size the splits and the tiles the grids (which rows take the long form moves
   // with their positions): a graph holds to the ones it was captured with, and to the fused or
   // separate form.
-  int64_t decision = fresh ? 1 : 0;
-  for (int64_t v : {int64_t{plan.decode_keys}, int64_t{plan.long_keys}, int64_t{n_tiles},
-                    static_cast<int64_t>(plan.prefill_tiles.size()), static_cast<int64_t>(plan.long_tiles.size())})
-    decision = decision * 1000003 + v;
+  uint64_t mix = fresh ? 1 : 0;  // unsigned: the mix wraps around
+  for (uint64_t v : {uint64_t(plan.decode_keys), uint64_t(plan.long_keys), uint64_t(n_tiles),
+                     uint64_t(plan.prefill_tiles.size()), uint64_t(plan.long_tiles.size())})
+    mix = mix * 1000003u + v;
+  const auto decision = static_cast<int64_t>(mix);
   staging_.launch(
       [&](cudaStream_t s) {
         if (any_prefill)
           launch_attention_prefill(mat(q), mat(k_cache), mat(v_cache), d_all_rows, d_prefill_tiles,
                                    static_cast<int>(plan.prefill_tiles.size()), d_tables, shape, mat(out), s);
         if (any_long)
-          launch_attention_long(mat(q), mat(k_cache), mat(v_cache), d_long_rows, n_rows, d_long_tiles,
+          launch_attention_long(mat(q), mat(k_cache), mat(v_cache), d_long_rows, n_rows, d_work_rows, d_long_tiles,
                                 static_cast<int>(plan.long_tiles.size()), plan.long_keys, d_tables, shape,
                                 reinterpret_cast<float*>(workspace + ws_decode_aligned), mat(out), s);
         if (!any_decode) return;

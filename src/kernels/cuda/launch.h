@@ -234,10 +234,13 @@ int attention_prefill_rows_per_tile(const AttnShape& shape);
 void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
                               const AttnTile* tiles, int n_tiles, const int32_t* page_tables, const AttnShape& shape,
                               Mat out, cudaStream_t s);
-int64_t attention_long_workspace_bytes(int n_rows, int max_keys, const AttnShape& shape);
+// The long form's partials: n_long_rows rows (work_rows[r]: row r's place among them; unused
+// for other rows) of at most max_keys keys.
+int64_t attention_long_workspace_bytes(int n_long_rows, int max_keys, const AttnShape& shape);
 void launch_attention_long(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
-                           const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
-                           const AttnShape& shape, float* workspace, Mat out, cudaStream_t s);
+                           const int32_t* work_rows, const AttnTile* tiles, int n_tiles, int max_keys,
+                           const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
+                           cudaStream_t s);
 // The fused form (AttnFresh) exists for head_dim 64 and 128 on the tensor-core kernel, and is
 // taken while its grid (n_tiles tiles of attention_rows_per_tile rows) fits the GPU at once.
 bool attention_fresh_supported(const AttnShape& shape, int n_tiles, int max_keys);

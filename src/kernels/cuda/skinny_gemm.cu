@@ -61,8 +61,9 @@ constexpr int stages(int budget) {
   return n < 2 ? 2 : n > 8 ? 8 : n;
 }
 // kWide (one block per SM, see wide_row_tiles): 24 KiB a warp, 192 KiB a block. kRouted: 9 KiB
-// a warp, so that three blocks share an SM: a routed product's blocks run in one wave at batch 1
-// (gate_up of the 30B-A3B shape: 384 blocks; with two blocks an SM, 1.45 waves).
+// a warp, so that three blocks of the one-tile forms share an SM (gate_up at batch 1 of the
+// 30B-A3B shape: 384 blocks, one wave; with two blocks an SM, 1.45 waves). Wider stages (the
+// down products' four row tiles with 16 or 32 rows) still get the two-stage minimum: two blocks.
 template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
 constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(kWide ? 24576 : kRouted ? 9216 : 12288);
 template <int MT, int RT, bool kNorm>

@@ -85,6 +85,8 @@ random_moe_pair() {
   [ -f "$ckpt/dflash-30b-a3b/config.json" ] ||
     python3 tools/make_random_checkpoint.py dflash-30b-a3b "$ckpt/dflash-30b-a3b" --seed 5
 }
+# The Qwen3 tokenizer (from the test fixtures) into a random checkpoint, for the server.
+add_tokenizer() { tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$1/"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
 status=0
 
@@ -223,7 +225,7 @@ fi
 if [[ $steps == *serving-moe* ]]; then
   echo "== serving sweep on the GPU: the 30B-A3B-shaped pair =="
   random_moe_pair
-  tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$ckpt/qwen3-30b-a3b/"
+  add_tokenizer "$ckpt/qwen3-30b-a3b"
   python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
     --max-tokens 128 \
     --server-args "--device cuda --model $ckpt/qwen3-30b-a3b --draft $ckpt/dflash-30b-a3b --gpu-memory-fraction 0.9" \
@@ -234,7 +236,7 @@ if [[ " $steps " == *" serving "* ]]; then
   # random drafts are never accepted), tau with the bundled pair.
   echo "== serving sweeps on the GPU =="
   random_8b_pair
-  tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$ckpt/qwen3-8b/"
+  add_tokenizer "$ckpt/qwen3-8b"
   # The KV cache takes 0.9 of the memory left after the weights (--gpu-memory-fraction on a GPU).
   python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
     --max-tokens 128 \
@@ -249,7 +251,7 @@ if [[ $steps == *ttft* ]]; then
   # random pair, DFlash serving; prompts of random token ids, a new one each request).
   echo "== time to first token: first request and later ones =="
   random_8b_pair
-  tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$ckpt/qwen3-8b/"
+  add_tokenizer "$ckpt/qwen3-8b"
   python3 tools/bench_ttft.py --dflash "$dflash" --prompt-tokens "${TTFT_PROMPTS:-512,4096}" --requests 6 \
     --server-args "--device cuda --model $ckpt/qwen3-8b --draft $ckpt/dflash-8b --gpu-memory-fraction 0.9" \
     --json "$out/ttft_qwen3-8b-shape.json" 2>&1 | tee "$out/ttft_qwen3-8b-shape.txt" || status=1

@@ -12,7 +12,7 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="fixtures-moe tests logits sites bench bench-moe profile ab builds serving
+# Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 tests logits sites bench bench-moe profile ab builds serving
 # serving-moe ttft sampling ncu ncu-decode graphs" (default: tests logits bench serving).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +97,15 @@ if [[ $steps == *fixtures-moe* ]]; then
   python3 tools/make_fixtures.py --out tests/fixtures --only "${FIXTURES_ONLY:-moe}" 2>&1 | tee "$out/fixtures_moe.txt" || status=1
   tar -cJf "$out/fixtures_moe.tar.xz" tests/fixtures/targets/*moe* tests/fixtures/drafts/*moe* \
     tests/fixtures/expected/*moe* || status=1
+fi
+
+if [[ $steps == *fixtures-qwen3_5* ]]; then
+  # The Qwen3.5 hybrid fixtures (tools/qwen3_5_fixtures.py); back as $out/fixtures_qwen3_5.tar.xz.
+  echo "== Qwen3.5 fixtures =="
+  python3 tools/make_fixtures.py --out tests/fixtures --only "${FIXTURES_ONLY:-qwen3_5}" 2>&1 |
+    tee "$out/fixtures_qwen3_5.txt" || status=1
+  tar -cJf "$out/fixtures_qwen3_5.tar.xz" tests/fixtures/targets/*qwen3_5* tests/fixtures/drafts/*qwen3_5* \
+    tests/fixtures/expected/*qwen3_5* || status=1
 fi
 
 if [[ $steps == *tests* ]]; then

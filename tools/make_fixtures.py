@@ -24,6 +24,10 @@ from safetensors.torch import save_file
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
+import qwen3_5_fixtures  # noqa: E402  (the Qwen3.5 hybrid fixtures: --only qwen3_5)
+
+ME = sys.modules[__name__]
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dflash_reference as ref  # noqa: E402
 
@@ -70,7 +74,10 @@ def eager_experts(model):
 
 def make_target(kind, seed, **kw):
     cls_cfg, cls_model = MODEL_CLASSES[kind]
-    rope = rope_kwargs(cls_cfg, kw.pop("rope_theta"), kw.pop("rope_scaling", None))
+    scaling = kw.pop("rope_scaling", None)
+    if "partial_rotary_factor" in kw:  # Qwen3.5: a rope parameter
+        scaling = dict(scaling or {}, partial_rotary_factor=kw.pop("partial_rotary_factor"))
+    rope = rope_kwargs(cls_cfg, kw.pop("rope_theta"), scaling)
     cfg = cls_cfg(vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS_ID,
                   hidden_act="silu", **rope, **kw)
     torch.manual_seed(seed)
@@ -349,7 +356,7 @@ def main():
     ap.add_argument("--target-steps", type=int, default=1500)
     ap.add_argument("--draft-steps", type=int, default=1500)
     ap.add_argument("--skip-trained", action="store_true")
-    ap.add_argument("--only", choices=["moe", "moe-trained"],
+    ap.add_argument("--only", choices=["moe", "moe-trained", "qwen3_5", "qwen3_5-trained"],
                     help="write only these fixtures (moe-trained: the trained MoE pair), leaving the others as they are")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -362,6 +369,9 @@ def main():
         return
     if args.only == "moe-trained":
         moe_trained_pair(out, device, args)
+        return
+    if args.only in ("qwen3_5", "qwen3_5-trained"):
+        qwen3_5_fixtures.write(ME, out, device, random.Random(4323), args, trained_only=args.only.endswith("trained"))
         return
     for sub in ("targets", "drafts", "expected"):
         shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
@@ -405,6 +415,7 @@ def main():
     if not args.skip_trained:
         good_pair(out, device, rng, args.target_steps, args.draft_steps)
     moe_fixtures(out, device, random.Random(4321), args)
+    qwen3_5_fixtures.write(ME, out, device, random.Random(4323), args)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     print(f"fixtures: {total / 1e6:.2f} MB under {out}", flush=True)
 

@@ -45,8 +45,11 @@ class ReferenceTest : public ::testing::TestWithParam<std::string> {
     std::printf("[%s] %s: max rel error %.3g\n", GetParam().c_str(), what.c_str(), err);
     EXPECT_LT(err, kTolerance) << what;
   }
-  // The routed targets' logits are held to 1e-5.
-  double logits_tolerance() const { return GetParam().find("moe") != std::string::npos ? 1e-5 : kTolerance; }
+  // The routed and hybrid targets' logits are held to 1e-5.
+  double logits_tolerance() const {
+    return GetParam().find("moe") != std::string::npos || GetParam().find("qwen3_5") != std::string::npos ? 1e-5
+                                                                                                         : kTolerance;
+  }
 
   nlohmann::json meta_;
   std::unique_ptr<TensorStore> expected_;
@@ -60,7 +63,7 @@ TEST_P(ReferenceTest, LogitsAndEveryLayerOutputMatchTransformers) {
   KvCache cache = target_->alloc_cache(4, 16);
   std::vector<int32_t> pages = {2, 0, 3, 1};  // deliberately not in order
   ForwardBatch b(16);
-  b.add_sequence(ids_, 0, pages);
+  b.add_sequence(ids_, 0, pages, true, {0});
   b.logit_rows = iota_rows(n);
   std::vector<int> all_layers;
   for (int j = 0; j < n_layers; ++j) all_layers.push_back(j);
@@ -83,19 +86,19 @@ TEST_P(ReferenceTest, IncrementalDecodingEqualsFullForwardBitForBit) {
   KvCache full_cache = target_->alloc_cache(4, 4), inc_cache = target_->alloc_cache(4, 4);
   std::vector<int32_t> full_pages = {0, 1, 2, 3}, inc_pages = {3, 1, 0, 2};
   ForwardBatch full(4);
-  full.add_sequence(ids_, 0, full_pages);
+  full.add_sequence(ids_, 0, full_pages, true, {0});
   full.logit_rows = iota_rows(n);
   const auto full_logits = be_->to_host(target_->forward(full, full_cache).logits);
   const int64_t v = target_->config().n_vocab;
 
   const int n_prefill = 5;
   ForwardBatch pre(4);
-  pre.add_sequence(std::vector<int32_t>(ids_.begin(), ids_.begin() + n_prefill), 0, inc_pages);
+  pre.add_sequence(std::vector<int32_t>(ids_.begin(), ids_.begin() + n_prefill), 0, inc_pages, true, {0});
   pre.logit_rows = iota_rows(n_prefill);
   auto logits = be_->to_host(target_->forward(pre, inc_cache).logits);
   for (int i = n_prefill; i < n; ++i) {
     ForwardBatch step(4);
-    step.add_sequence({ids_[i]}, i, inc_pages);
+    step.add_sequence({ids_[i]}, i, inc_pages, true, {0});
     step.logit_rows = {0};
     const auto row = be_->to_host(target_->forward(step, inc_cache).logits);
     logits.insert(logits.end(), row.begin(), row.end());
@@ -112,7 +115,7 @@ TEST_P(ReferenceTest, DraftBlockLogitsMatchPyTorchReference) {
     KvCache tcache = target_->alloc_cache(4, 8), dcache = draft.alloc_cache(4, 8);
     std::vector<int32_t> pages = {1, 3, 0, 2};
     ForwardBatch b(8);
-    b.add_sequence(ids_, 0, pages);
+    b.add_sequence(ids_, 0, pages, true, {0});
     b.logit_rows = {n - 1};
     auto out = target_->forward(b, tcache, layer_ids);
     ASSERT_EQ(be_->argmax_rows(out.logits)[0], meta_["pending"].get<int>());
@@ -146,7 +149,44 @@ TEST_P(ReferenceTest, PlainGreedyMatchesReferenceTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceTest,
                          ::testing::Values("qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded",
-                                           "qwen3_moe_tied", "qwen3_moe_untied_bf16"));
+                                           "qwen3_moe_tied", "qwen3_moe_untied_bf16", "qwen3_5_tied",
+                                           "qwen3_5_moe_untied_bf16"));
+
+// Qwen3.5: 200 steps of transformers' own incremental decoding (its cache: prefill, then one
+// token a step), logits within 1e-5 at every step; the state carries the whole way.
+class HybridReferenceTest : public ReferenceTest {};
+
+TEST_P(HybridReferenceTest, IncrementalDecodingMatchesTransformersFor200Steps) {
+  const auto prompt = meta_["incremental_prompt"].get<std::vector<int32_t>>();
+  const auto tokens = meta_["incremental_tokens"].get<std::vector<int32_t>>();
+  const auto expected = expected_tensor(*expected_, "incremental_logits");
+  const int64_t v = target_->config().n_vocab;
+  ASSERT_EQ(expected.size(), tokens.size() * static_cast<size_t>(v));
+  const int page = 16, n_pages = static_cast<int>((prompt.size() + tokens.size()) / page + 1);
+  KvCache cache = target_->alloc_cache(n_pages, page);
+  std::vector<int32_t> pages(static_cast<size_t>(n_pages));
+  for (int i = 0; i < n_pages; ++i) pages[static_cast<size_t>(i)] = n_pages - 1 - i;
+  double worst = 0;
+  int32_t n_past = 0;
+  std::vector<int32_t> feed = prompt;
+  for (size_t step = 0; step < tokens.size(); ++step) {
+    ForwardBatch b(page);
+    b.add_sequence(feed, n_past, pages, true, {0});
+    b.logit_rows = {static_cast<int32_t>(feed.size()) - 1};
+    const Tensor out = target_->forward(b, cache).logits;
+    const auto logits = be_->to_host(out);
+    const std::vector<float> want(expected.begin() + static_cast<int64_t>(step) * v,
+                                  expected.begin() + static_cast<int64_t>(step + 1) * v);
+    worst = std::max(worst, max_rel_error(logits, want));
+    ASSERT_EQ(be_->argmax_rows(out)[0], tokens[step]) << "step " << step;
+    n_past += static_cast<int32_t>(feed.size());
+    feed = {tokens[step]};
+  }
+  report("logits over " + std::to_string(tokens.size()) + " incremental steps", worst);
+  EXPECT_LT(worst, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HybridReferenceTest, ::testing::Values("qwen3_5_tied", "qwen3_5_moe_untied_bf16"));
 
 }  // namespace
 }  // namespace dflash

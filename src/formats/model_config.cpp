@@ -107,11 +107,16 @@ RopeConfig parse_rope(const Fields& f) {
       check(type == "default", p.where(), ": unsupported rope type '", type, "' (supported: default, llama3)");
     }
   }
+  // transformers reads the factor from rope_parameters; older configs have it at the top level.
+  r.partial_rotary_factor = f.number("partial_rotary_factor", 1.0);
+  if (params) r.partial_rotary_factor = Fields(*params, cat(f.where(), ": ", params_name)).number("partial_rotary_factor", r.partial_rotary_factor);
+  check(r.partial_rotary_factor > 0 && r.partial_rotary_factor <= 1, f.where(),
+        ": partial_rotary_factor must be in (0, 1], got ", r.partial_rotary_factor);
   check(r.theta > 0, f.where(), ": rope_theta must be positive");
   return r;
 }
 
-void parse_layers(const Fields& f, ModelConfig& c) {
+void parse_layers(const Fields& f, ModelConfig& c, bool dense_mlp = true) {
   c.n_embd = static_cast<int>(f.positive("hidden_size"));
   c.n_layers = static_cast<int>(f.positive("num_hidden_layers"));
   // Per-layer lists are sized from this before any weight is seen (2^30 asked for 4 GiB).
@@ -127,7 +132,7 @@ void parse_layers(const Fields& f, ModelConfig& c) {
     c.head_dim = c.n_embd / c.n_heads;
   }
   check(c.head_dim % 2 == 0, f.where(), ": head_dim must be even for RoPE, got ", c.head_dim);
-  c.n_ff = static_cast<int>(f.positive("intermediate_size"));
+  if (dense_mlp) c.n_ff = static_cast<int>(f.positive("intermediate_size"));
   c.rms_norm_eps = static_cast<float>(f.number("rms_norm_eps", 1e-6));
   check(c.rms_norm_eps > 0, f.where(), ": rms_norm_eps must be positive");
   c.max_positions = static_cast<int>(f.has("max_position_embeddings") ? f.positive("max_position_embeddings") : 32768);
@@ -188,6 +193,58 @@ void parse_moe(const Fields& f, ModelConfig& c) {
   }
 }
 
+// Qwen3.5: which layers are Gated DeltaNet (layer_types, else every full_attention_interval-th
+// layer is full attention) and their shape.
+void parse_hybrid(const Fields& f, ModelConfig& c) {
+  c.linear_layer.assign(static_cast<size_t>(c.n_layers), false);
+  if (f.has("layer_types")) {
+    const json& types = f.raw("layer_types");
+    check(types.is_array() && static_cast<int>(types.size()) == c.n_layers, f.where(),
+          ": field 'layer_types' must list one type per layer (", c.n_layers, ")");
+    for (int i = 0; i < c.n_layers; ++i) {
+      check(types[i].is_string(), f.where(), ": field 'layer_types' must hold strings");
+      const auto t = types[i].get<std::string>();
+      check(t == "linear_attention" || t == "full_attention", f.where(), ": unsupported layer type '", t,
+            "' in 'layer_types' (supported: linear_attention, full_attention)");
+      c.linear_layer[static_cast<size_t>(i)] = t == "linear_attention";
+    }
+  } else {
+    const int64_t interval = f.integer("full_attention_interval", 4);
+    check(interval >= 1, f.where(), ": field 'full_attention_interval' must be positive");
+    for (int i = 0; i < c.n_layers; ++i) c.linear_layer[static_cast<size_t>(i)] = (i + 1) % interval != 0;
+  }
+  LinearAttentionConfig& l = c.linear;
+  l.n_k_heads = static_cast<int>(f.positive("linear_num_key_heads"));
+  l.n_v_heads = static_cast<int>(f.positive("linear_num_value_heads"));
+  l.k_dim = static_cast<int>(f.positive("linear_key_head_dim"));
+  l.v_dim = static_cast<int>(f.positive("linear_value_head_dim"));
+  l.conv_kernel = static_cast<int>(f.positive("linear_conv_kernel_dim"));
+  check(l.n_v_heads % l.n_k_heads == 0, f.where(), ": linear_num_value_heads (", l.n_v_heads,
+        ") is not a multiple of linear_num_key_heads (", l.n_k_heads, ")");
+  check(l.conv_kernel >= 2 && l.conv_kernel <= 16, f.where(), ": linear_conv_kernel_dim must be in 2..16, got ",
+        l.conv_kernel);
+  check(l.k_dim <= 1024 && l.v_dim <= 1024, f.where(), ": linear attention head dims above 1024 are implausible");
+  c.attn_output_gate = true;
+  c.zero_centred_norms = true;
+  c.qk_norm = true;
+  const int rot = c.rotary_dim();
+  check(rot >= 2 && rot % 2 == 0, f.where(), ": head_dim * partial_rotary_factor must be an even number >= 2, got ", rot);
+}
+
+// Qwen3.5-MoE: every layer routed (top-k always renormalized) plus a shared expert.
+void parse_hybrid_moe(const Fields& f, ModelConfig& c) {
+  MoeConfig& m = c.moe;
+  m.n_experts = static_cast<int>(f.positive("num_experts"));
+  check(m.n_experts <= 4096, f.where(), ": field 'num_experts' is implausibly large: ", m.n_experts);
+  m.top_k = static_cast<int>(f.positive("num_experts_per_tok"));
+  check(m.top_k <= m.n_experts && m.top_k <= 64, f.where(), ": field 'num_experts_per_tok' (", m.top_k,
+        ") must be at most num_experts (", m.n_experts, ") and 64");
+  m.n_ff = static_cast<int>(f.positive("moe_intermediate_size"));
+  m.norm_topk_prob = true;
+  m.shared_n_ff = static_cast<int>(f.positive("shared_expert_intermediate_size"));
+  c.moe_layer.assign(static_cast<size_t>(c.n_layers), true);
+}
+
 }  // namespace
 
 bool is_draft_architecture(const std::string& arch) {
@@ -201,15 +258,44 @@ static std::string first_architecture(const Fields& f) {
   return f.raw("architectures")[0].get<std::string>();
 }
 
+static bool is_qwen3_5(const std::string& arch) {
+  return arch == "Qwen3_5ForCausalLM" || arch == "Qwen3_5MoeForCausalLM" || arch == "Qwen3_5ForConditionalGeneration" ||
+         arch == "Qwen3_5MoeForConditionalGeneration";
+}
+
+// Qwen3.5 and Qwen3.5-MoE text models, alone or inside the multimodal checkpoints (text_config;
+// the language model's weights under model.language_model., the vision tower's ignored).
+static ModelConfig parse_qwen3_5(const Fields& top, const std::string& arch, const std::string& where) {
+  const bool wrapped = arch.find("ForConditionalGeneration") != std::string::npos;
+  check(!wrapped || (top.has("text_config") && top.raw("text_config").is_object()), where,
+        ": missing required field 'text_config'");
+  const Fields f = wrapped ? Fields(top.raw("text_config"), where + ": text_config") : top;
+  ModelConfig c;
+  c.architecture = arch;
+  if (wrapped) c.weight_prefix = "model.language_model.";
+  c.n_vocab = static_cast<int>(f.positive("vocab_size"));
+  const bool moe = arch.find("Moe") != std::string::npos;
+  parse_layers(f, c, /*dense_mlp=*/!moe);  // MoE text configs have no dense MLP size
+  c.tie_embeddings = top.boolean("tie_word_embeddings", f.boolean("tie_word_embeddings", false));
+  c.attention_bias = f.boolean("attention_bias", false);
+  check(!c.attention_bias, where, ": attention_bias=true is not supported for Qwen3.5 targets");
+  parse_hybrid(f, c);
+  if (moe) parse_hybrid_moe(f, c);
+  return c;
+}
+
 ModelConfig parse_model_config(const json& j, const std::string& where) {
   Fields f(j, where);
+  const std::string arch = first_architecture(f);
+  if (is_qwen3_5(arch)) return parse_qwen3_5(f, arch, where);
   ModelConfig c;
-  c.architecture = first_architecture(f);
+  c.architecture = arch;
   const bool moe = c.architecture == "Qwen3MoeForCausalLM";
   const bool qwen3 = moe || c.architecture == "Qwen3ForCausalLM";
   const bool llama = c.architecture == "LlamaForCausalLM";
   check(qwen3 || llama, where, ": unsupported architecture '", c.architecture,
-        "' (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM)");
+        "' (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM, Qwen3_5ForCausalLM, "
+        "Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration)");
   c.n_vocab = static_cast<int>(f.positive("vocab_size"));
   parse_layers(f, c);
   c.tie_embeddings = f.boolean("tie_word_embeddings", false);  // both families default to untied

@@ -17,6 +17,7 @@ enum class RopeType { Default, Llama3 };
 struct RopeConfig {
   RopeType type = RopeType::Default;
   double theta = 10000.0;
+  double partial_rotary_factor = 1.0;  // the leading head_dim * factor dimensions rotate (Qwen3.5: 0.25)
   // llama3 scaling only
   double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
   int64_t original_max_positions = 8192;
@@ -29,11 +30,27 @@ struct MoeConfig {
   int top_k = 0;                // num_experts_per_tok
   int n_ff = 0;                 // moe_intermediate_size
   bool norm_topk_prob = false;  // the top_k weights renormalized to sum to 1
+  int shared_n_ff = 0;          // Qwen3.5-MoE: a shared SwiGLU expert of this size, scaled by sigmoid(x . gate)
+};
+
+// Qwen3.5's Gated DeltaNet (linear attention) layers: a causal depthwise convolution over the
+// q/k/v projection, then a recurrent state [n_v_heads, k_dim, v_dim] per sequence.
+struct LinearAttentionConfig {
+  int n_k_heads = 0;    // linear_num_key_heads
+  int n_v_heads = 0;    // linear_num_value_heads (a multiple of n_k_heads)
+  int k_dim = 0;        // linear_key_head_dim
+  int v_dim = 0;        // linear_value_head_dim
+  int conv_kernel = 0;  // linear_conv_kernel_dim
+  int64_t key_dim() const { return int64_t{n_k_heads} * k_dim; }
+  int64_t value_dim() const { return int64_t{n_v_heads} * v_dim; }
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }  // q, k, v channels
 };
 
 // The shape of a Qwen3/Llama decoder stack (target, or the layers of a draft).
 struct ModelConfig {
-  std::string architecture;     // "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "DFlashDraftModel"
+  std::string architecture;     // "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "Qwen3_5ForCausalLM",
+                                // "Qwen3_5MoeForCausalLM", their ...ForConditionalGeneration, "DFlashDraftModel"
+  std::string weight_prefix = "model.";  // the decoder's tensor names start with this (multimodal: model.language_model.)
   int n_vocab = 0;
   int n_embd = 0;               // hidden_size
   int n_layers = 0;
@@ -52,6 +69,14 @@ struct ModelConfig {
   MoeConfig moe;                // Qwen3-MoE only
   std::vector<bool> moe_layer;  // per layer: the MLP is routed (moe) rather than dense (n_ff)
   bool is_moe_layer(int i) const { return !moe_layer.empty() && moe_layer[static_cast<size_t>(i)]; }
+  // Qwen3.5 hybrids: per layer, Gated DeltaNet (true) or gated full attention; empty for others.
+  std::vector<bool> linear_layer;
+  LinearAttentionConfig linear;
+  bool attn_output_gate = false;     // q_proj gives [query | gate] per head; attention output *= sigmoid(gate)
+  bool zero_centred_norms = false;   // every RMSNorm scales by (1 + weight) (not the linear attention's gated norm)
+  bool is_linear_layer(int i) const { return !linear_layer.empty() && linear_layer[static_cast<size_t>(i)]; }
+  bool hybrid() const { return !linear_layer.empty(); }
+  int rotary_dim() const { return static_cast<int>(head_dim * rope.partial_rotary_factor); }
 };
 
 // DFlash draft: its decoder layers plus the fields that tie it to a target.

@@ -17,14 +17,51 @@
 #include "formats/safetensors.h"
 #include "kernels/tensor.h"
 #include "kernels/top_candidates.h"
+#include "util/error.h"
 
 namespace dflash {
+
+// Per-sequence state of Gated DeltaNet layers (Qwen3.5), one slot per running sequence. The state
+// of a slot covers its sequence's committed rows; the tape holds the rows of its last forward that
+// were not committed (a verification block), to be folded in once the accepted count is known.
+struct RecurrentCache {
+  int n_slots = 0;
+  int tape_rows = 0;          // rows a slot's tape holds (the largest verification block)
+  std::vector<Tensor> conv;   // per layer (empty: attention layers): F32 [n_slots, (conv_kernel - 1) * conv_dim]
+  std::vector<Tensor> state;  // F32 [n_slots, n_v_heads * k_dim * v_dim], [head][k][v]
+  std::vector<Tensor> tape;   // F32 [n_slots, tape_rows * (conv_dim + 2 * n_v_heads)]: rows' [q|k|v, b, a] projections
+};
 
 // Keys/values of one decoder stack, paged: physical slot = page * page_size + offset.
 struct KvCache {
   int page_size = 0;
   int n_pages = 0;
-  std::vector<Tensor> k, v;  // per layer: [n_pages * page_size, n_kv_heads * head_dim]
+  std::vector<Tensor> k, v;  // per layer: [n_pages * page_size, n_kv_heads * head_dim] (empty: linear-attention layers)
+  RecurrentCache recurrent;  // hybrid models only
+};
+
+// One sequence's rows in a Gated DeltaNet call.
+struct RecurrentSegment {
+  int32_t first_row = 0, n_rows = 0;
+  int32_t slot = 0;
+  bool fresh = false;   // the sequence's first rows: its state starts from zeros
+  int32_t replay = 0;   // first fold this many rows of the slot's tape into its state
+  bool commit = true;   // fold this call's rows in too; false: the state stays before them and they go to the tape
+};
+
+// A Gated DeltaNet layer's own weights besides its projections.
+struct LinearAttentionWeights {
+  Tensor conv;     // [conv_dim, conv_kernel]  conv1d.weight, depthwise, causal
+  Tensor a_log;    // [1, n_v_heads]  A_log (float32)
+  Tensor dt_bias;  // [1, n_v_heads]  (float32)
+  Tensor norm;     // [1, v_dim]  the gated RMSNorm's weight (scales by weight)
+};
+
+struct LinearAttentionParams {
+  int n_k_heads = 0, n_v_heads = 0, k_dim = 0, v_dim = 0, conv_kernel = 0;
+  float eps = 0.0f;  // the gated RMSNorm's
+  int64_t conv_dim() const { return 2 * int64_t{n_k_heads} * k_dim + int64_t{n_v_heads} * v_dim; }
+  int64_t tape_width() const { return conv_dim() + 2 * int64_t{n_v_heads}; }
 };
 
 // One sequence's rows in a batched attention call.
@@ -254,6 +291,28 @@ class Backend {
   // MoeScratch) is working memory a caller running many layers allocates once.
   virtual void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows = nullptr,
                    MoeScratch* scratch = nullptr) = 0;
+  // Qwen3.5's Gated DeltaNet over proj = [q|k|v (conv_dim) | z (value_dim) | b (n_v) | a (n_v)] per
+  // row (the layer's input projections), per segment on its slot of `cache` (layer `layer`):
+  // fresh zeroes the slot; replay folds that many tape rows in; then each row r: the causal
+  // depthwise convolution of q|k|v over the previous conv_kernel - 1 rows, SiLU, q and k
+  // L2-normalized (q also scaled by k_dim^-1/2), beta = sigmoid(b), g = -exp(A_log) *
+  // softplus(a + dt_bias); per value head h (key head h / (n_v / n_k)): S = exp(g) S,
+  // S += k (beta (v - S^T k))^T, o = S^T q; out[r] = rmsnorm(o) * norm * silu(z) per head.
+  // commit=false leaves the slot as it was after the replay and puts the rows on its tape.
+  virtual bool has_gated_delta_net() const { return false; }
+  virtual void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,
+                               RecurrentCache& cache, int layer, const std::vector<RecurrentSegment>& segments,
+                               Tensor& out) {
+    throw Error(name() + " backend: Gated DeltaNet (Qwen3.5) layers are not implemented");
+  }
+  // x *= sigmoid(gate), elementwise (gated attention output).
+  virtual void sigmoid_mul(Tensor& x, const Tensor& gate) {
+    throw Error(name() + " backend: gated attention (Qwen3.5) is not implemented");
+  }
+  // acc[r] += sigmoid(gate[r]) * y[r], gate [rows, 1] (Qwen3.5-MoE's shared expert).
+  virtual void add_sigmoid_scaled(Tensor& acc, const Tensor& y, const Tensor& gate) {
+    throw Error(name() + " backend: shared experts (Qwen3.5-MoE) are not implemented");
+  }
   // out[i] = src[rows[i]]  (out may be a column slice of a wider tensor)
   virtual void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) = 0;
   // Index of the largest value per row (first on ties).

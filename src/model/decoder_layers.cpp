@@ -20,6 +20,62 @@ static TensorInfo flattened(const TensorInfo& t) {
   return f;
 }
 
+// Rows first..first+n of a 2-D checkpoint tensor.
+static TensorInfo row_slice(const TensorInfo& t, int64_t first, int64_t n) {
+  TensorInfo f = t;
+  const size_t row_bytes = static_cast<size_t>(t.shape[1]) * dtype_size(t.dtype);
+  f.data = t.data + static_cast<size_t>(first) * row_bytes;
+  f.shape = {n, t.shape[1]};
+  f.n_bytes = static_cast<size_t>(n) * row_bytes;
+  return f;
+}
+
+// A 1-D checkpoint tensor as float32 on the device, plus `offset` (1 for Qwen3.5's zero-centred
+// norms, which scale by 1 + weight: added in float32, as transformers does).
+static Tensor upload_f32(Backend& be, const TensorInfo& t, float offset = 0.0f) {
+  std::vector<float> w(static_cast<size_t>(t.n_elements()));
+  convert_to_f32(t.dtype, t.data, w.data(), w.size());
+  for (float& x : w) x += offset;
+  return be.upload_host_f32(w.data(), 1, static_cast<int64_t>(w.size()));
+}
+
+Tensor load_norm(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& name, int64_t n) {
+  const TensorInfo& t = s.get(name, {n});
+  return c.zero_centred_norms ? upload_f32(be, t, 1.0f) : be.upload({&t});
+}
+
+// Qwen3.5's gated attention: q_proj holds [query | gate] per head; the q/k/v weight takes the
+// query rows, k_proj, v_proj, then the gate rows (so that q, k, v lie where attention expects them).
+static Tensor load_gated_qkv(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p) {
+  const int64_t h = c.n_embd, d = c.head_dim, q_dim = int64_t{c.n_heads} * d, kv_dim = int64_t{c.n_kv_heads} * d;
+  const TensorInfo& q = s.get(p + "self_attn.q_proj.weight", {2 * q_dim, h});
+  std::vector<TensorInfo> slices;
+  for (int part = 0; part < 2; ++part)
+    for (int head = 0; head < c.n_heads; ++head) slices.push_back(row_slice(q, (2 * head + part) * d, d));
+  std::vector<const TensorInfo*> parts;
+  for (int head = 0; head < c.n_heads; ++head) parts.push_back(&slices[static_cast<size_t>(head)]);
+  parts.push_back(&s.get(p + "self_attn.k_proj.weight", {kv_dim, h}));
+  parts.push_back(&s.get(p + "self_attn.v_proj.weight", {kv_dim, h}));
+  for (int head = 0; head < c.n_heads; ++head) parts.push_back(&slices[static_cast<size_t>(c.n_heads + head)]);
+  return be.upload(parts);
+}
+
+// Qwen3.5's Gated DeltaNet: the input projections as one weight, the convolution, gates and norm.
+static void load_linear_attention(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
+                                  LayerWeights& w) {
+  const LinearAttentionConfig& l = c.linear;
+  const int64_t h = c.n_embd, conv_dim = l.conv_dim(), value_dim = l.value_dim(), nv = l.n_v_heads;
+  const std::string a = p + "linear_attn.";
+  w.linear_in = be.upload({&s.get(a + "in_proj_qkv.weight", {conv_dim, h}), &s.get(a + "in_proj_z.weight", {value_dim, h}),
+                           &s.get(a + "in_proj_b.weight", {nv, h}), &s.get(a + "in_proj_a.weight", {nv, h})});
+  const TensorInfo conv = flattened(s.get(a + "conv1d.weight", {conv_dim, 1, l.conv_kernel}));
+  w.linear.conv = be.upload({&conv});
+  w.linear.a_log = upload_f32(be, s.get(a + "A_log", {nv}));
+  w.linear.dt_bias = upload_f32(be, s.get(a + "dt_bias", {nv}));
+  w.linear.norm = be.upload({&s.get(a + "norm.weight", {l.v_dim})});
+  w.linear_out = be.upload({&s.get(a + "out_proj.weight", {h, value_dim})});
+}
+
 // A routed MLP: the router and every expert's weights, each kind stacked in one upload. Reads the
 // hub's layout (mlp.experts.E.{gate,up,down}_proj.weight) and the stacked one transformers 5 keeps
 // in memory (mlp.experts.gate_up_proj [E, 2 * ff, h], mlp.experts.down_proj [E, h, ff]).
@@ -51,12 +107,41 @@ static MoeWeights load_moe(Backend& be, const TensorStore& s, const ModelConfig&
   return w;
 }
 
+// A Qwen3.5 layer (norms loaded): Gated DeltaNet or gated attention, then a dense MLP or routed
+// experts with a shared one.
+static LayerWeights load_hybrid_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
+                                      int i, LayerWeights w) {
+  const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim;
+  if (c.is_linear_layer(i)) {
+    load_linear_attention(be, s, c, p, w);
+  } else {
+    w.qkv = load_gated_qkv(be, s, c, p);
+    w.o = be.upload({&s.get(p + "self_attn.o_proj.weight", {h, q_dim})});
+    w.q_norm = load_norm(be, s, c, p + "self_attn.q_norm.weight", c.head_dim);
+    w.k_norm = load_norm(be, s, c, p + "self_attn.k_norm.weight", c.head_dim);
+  }
+  if (!c.is_moe_layer(i)) {
+    w.gate_up = be.upload({&s.get(p + "mlp.gate_proj.weight", {c.n_ff, h}), &s.get(p + "mlp.up_proj.weight", {c.n_ff, h})});
+    w.down = be.upload({&s.get(p + "mlp.down_proj.weight", {h, c.n_ff})});
+    return w;
+  }
+  w.moe = load_moe(be, s, c, p + "mlp.");
+  const int64_t sff = c.moe.shared_n_ff;
+  const std::string e = p + "mlp.shared_expert.";
+  w.shared_gate_up = be.upload({&s.get(e + "gate_proj.weight", {sff, h}), &s.get(e + "up_proj.weight", {sff, h})});
+  w.shared_down = be.upload({&s.get(e + "down_proj.weight", {h, sff})});
+  w.shared_gate = be.upload({&s.get(p + "mlp.shared_expert_gate.weight", {1, h})});
+  return w;
+}
+
 LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i,
                         const Tensor* qkv) {
   const std::string p = cat(prefix, "layers.", i, ".");
   const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   LayerWeights w;
-  w.attn_norm = be.upload({&s.get(p + "input_layernorm.weight", {h})});
+  w.attn_norm = load_norm(be, s, c, p + "input_layernorm.weight", h);
+  w.mlp_norm = load_norm(be, s, c, p + "post_attention_layernorm.weight", h);
+  if (c.hybrid()) return load_hybrid_layer(be, s, c, p, i, std::move(w));
   w.qkv = qkv ? *qkv : be.upload(qkv_parts(s, c, prefix, i));
   w.o = be.upload({&s.get(p + "self_attn.o_proj.weight", {h, q_dim})});
   if (c.attention_bias) {
@@ -68,7 +153,6 @@ LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c,
     w.q_norm = be.upload({&s.get(p + "self_attn.q_norm.weight", {c.head_dim})});
     w.k_norm = be.upload({&s.get(p + "self_attn.k_norm.weight", {c.head_dim})});
   }
-  w.mlp_norm = be.upload({&s.get(p + "post_attention_layernorm.weight", {h})});
   if (c.is_moe_layer(i)) {
     w.moe = load_moe(be, s, c, p + "mlp.");
     return w;
@@ -85,7 +169,9 @@ LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c,
 int64_t layer_bytes(const LayerWeights& w, int routed_experts) {
   int64_t n = 0;
   for (const Tensor* t : {&w.attn_norm, &w.qkv, &w.qkv_bias, &w.q_norm, &w.k_norm, &w.o, &w.o_bias, &w.mlp_norm,
-                          &w.gate_up, &w.gate_up_bias, &w.down, &w.down_bias, &w.moe.router})
+                          &w.gate_up, &w.gate_up_bias, &w.down, &w.down_bias, &w.moe.router, &w.linear_in,
+                          &w.linear.conv, &w.linear.a_log, &w.linear.dt_bias, &w.linear.norm, &w.linear_out,
+                          &w.shared_gate_up, &w.shared_down, &w.shared_gate})
     n += tensor_bytes(*t);
   if (!w.moe.empty()) {
     const int64_t experts = tensor_bytes(w.moe.gate_up) + tensor_bytes(w.moe.down);
@@ -96,25 +182,83 @@ int64_t layer_bytes(const LayerWeights& w, int routed_experts) {
 
 static const Tensor* opt(const Tensor& t) { return t.empty() ? nullptr : &t; }
 
+// Scratch of the layer kinds a stack holds, sized for its rows.
+struct StackScratch {
+  Tensor h, qkv, attn, delta, gate_up, act;
+  Tensor proj, core;                         // Gated DeltaNet layers
+  Tensor shared_gate_up, shared_act, shared_y, shared_gate;  // shared experts
+  MoeScratch moe;
+};
+
+static StackScratch stack_scratch(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers, int64_t n) {
+  const int64_t q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  bool attention = false, linear = false, dense = false, shared = false;
+  for (const LayerWeights& w : layers) {
+    attention = attention || !w.qkv.empty();
+    linear = linear || w.is_linear();
+    dense = dense || w.moe.empty();
+    shared = shared || !w.shared_gate.empty();
+  }
+  StackScratch t;
+  t.h = be.alloc(n, c.n_embd);
+  t.delta = be.alloc(n, c.n_embd);
+  if (attention) {
+    t.qkv = be.alloc(n, q_dim + 2 * kv_dim + (c.attn_output_gate ? q_dim : 0));
+    t.attn = be.alloc(n, q_dim);
+  }
+  if (linear) {
+    const LinearAttentionConfig& l = c.linear;
+    t.proj = be.alloc(n, l.conv_dim() + l.value_dim() + 2 * l.n_v_heads);
+    t.core = be.alloc(n, l.value_dim());
+  }
+  if (dense) {  // dense layers' MLP scratch (a stack of routed layers only has none)
+    t.gate_up = be.alloc(n, 2 * int64_t{c.n_ff});
+    t.act = be.alloc(n, c.n_ff);
+  }
+  if (!c.moe_layer.empty()) {
+    t.moe.act = be.alloc(n * c.moe.top_k, c.moe.n_ff);
+    t.moe.y = be.alloc(n * c.moe.top_k, c.n_embd);
+  }
+  if (shared) {
+    t.shared_gate_up = be.alloc(n, 2 * int64_t{c.moe.shared_n_ff});
+    t.shared_act = be.alloc(n, c.moe.shared_n_ff);
+    t.shared_y = be.alloc(n, c.n_embd);
+    t.shared_gate = be.alloc(n, 1);
+  }
+  return t;
+}
+
+// A layer's token mixer from its normalized input t.h into t.delta: attention over the paged
+// cache (Qwen3.5: times the sigmoid of its gate) or Gated DeltaNet over the sequences' states.
+static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w, size_t l, const StackInputs& in,
+                        StackScratch& t) {
+  if (w.is_linear()) {
+    const LinearAttentionConfig& lc = c.linear;
+    check(in.recurrent, "a Gated DeltaNet layer needs each sequence's recurrent state (ForwardBatch::recurrent)");
+    const LinearAttentionParams lp{lc.n_k_heads, lc.n_v_heads, lc.k_dim, lc.v_dim, lc.conv_kernel, c.rms_norm_eps};
+    be.gated_delta_net(t.proj, w.linear, lp, in.cache->recurrent, static_cast<int>(l), *in.recurrent, t.core);
+    be.matmul(t.core, w.linear_out, nullptr, t.delta);
+    return;
+  }
+  const int64_t q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  const AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
+  Tensor qkv = c.attn_output_gate ? t.qkv.slice_cols(0, q_dim + 2 * kv_dim) : t.qkv;
+  be.qkv_attention(qkv, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps, *in.inv_freq, *in.kv_slots, in.cache->k[l],
+                   in.cache->v[l], *in.segments, *in.positions, ap, t.attn);
+  if (c.attn_output_gate) be.sigmoid_mul(t.attn, t.qkv.slice_cols(q_dim + 2 * kv_dim, q_dim));
+  be.matmul(t.attn, w.o, opt(w.o_bias), t.delta);
+}
+
 Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
                           const std::vector<float>& inv_freq, const Tensor& final_norm, Tensor& x,
-                          const StackInputs& in) {
+                          const StackInputs& in_) {
   check(!layers.empty(), "a decoder stack needs at least one layer");
-  const int64_t n = x.rows, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
-  Tensor h = be.alloc(n, c.n_embd);
-  Tensor qkv = be.alloc(n, q_dim + 2 * kv_dim);
-  Tensor attn = be.alloc(n, q_dim);
-  Tensor delta = be.alloc(n, c.n_embd);
-  // Dense layers' MLP scratch (a stack of routed layers only has none).
-  bool dense = false;
-  for (const LayerWeights& w : layers) dense = dense || w.moe.empty();
-  Tensor gate_up = dense ? be.alloc(n, 2 * int64_t{c.n_ff}) : Tensor{};
-  Tensor act = dense ? be.alloc(n, c.n_ff) : Tensor{};
-  MoeScratch moe_scratch;
-  if (!c.moe_layer.empty()) {
-    moe_scratch.act = be.alloc(n * c.moe.top_k, c.moe.n_ff);
-    moe_scratch.y = be.alloc(n * c.moe.top_k, c.n_embd);
-  }
+  StackInputs in = in_;
+  in.inv_freq = &inv_freq;
+  const int64_t n = x.rows;
+  StackScratch t = stack_scratch(be, c, layers, n);
+  Tensor& h = t.h;
+  Tensor& delta = t.delta;
   // The residual stream (float32: the layers' outputs add up unrounded) alternates between x
   // and x2: a product that normalizes its own input reads one while it stores residual + delta
   // to the other.
@@ -137,25 +281,29 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     std::vector<Tensor> captures = l > 0 ? capture_slices(l - 1) : std::vector<Tensor>{};
     ResidualNorm attn_in{cur, l > 0 ? &delta : nullptr, l > 0 ? next : nullptr, &w.attn_norm, c.rms_norm_eps,
                          captures.empty() ? nullptr : &captures[0]};
-    be.norm_matmul(attn_in, h, w.qkv, opt(w.qkv_bias), qkv);
+    if (w.is_linear()) be.norm_matmul(attn_in, h, w.linear_in, nullptr, t.proj);
+    else be.norm_matmul(attn_in, h, w.qkv, opt(w.qkv_bias), t.qkv);
     if (l > 0) {
       std::swap(cur, next);
       for (size_t i = 1; i < captures.size(); ++i) be.capture_rows(*cur, captures[i]);  // a layer listed twice
     }
-    const AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window[l], in.cache->page_size};
-    be.qkv_attention(qkv, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps, inv_freq, *in.kv_slots, in.cache->k[l],
-                     in.cache->v[l], *in.segments, *in.positions, ap, attn);
-    be.matmul(attn, w.o, opt(w.o_bias), delta);
+    token_mixer(be, c, w, l, in, t);
     ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps};
     if (!w.moe.empty()) {
       be.norm_in(mlp_in, h);
       std::swap(cur, next);
-      be.moe(h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr, &moe_scratch);
+      be.moe(h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr, &t.moe);
+      if (!w.shared_gate.empty()) {  // Qwen3.5-MoE: + sigmoid(h . gate) * shared_expert(h)
+        be.matmul_swiglu(h, w.shared_gate_up, nullptr, t.shared_gate_up, t.shared_act);
+        be.matmul(t.shared_act, w.shared_down, nullptr, t.shared_y);
+        be.matmul(h, w.shared_gate, nullptr, t.shared_gate);
+        be.add_sigmoid_scaled(delta, t.shared_y, t.shared_gate);
+      }
       continue;
     }
-    be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), act, &gate_up);
+    be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), t.act, &t.gate_up);
     std::swap(cur, next);
-    be.matmul(act, w.down, opt(w.down_bias), delta);
+    be.matmul(t.act, w.down, opt(w.down_bias), delta);
   }
   be.add_rms_norm(*cur, delta, x, final_norm, c.rms_norm_eps, h);  // x is the last layer's output
   for (Tensor& slice : capture_slices(layers.size() - 1)) be.capture_rows(x, slice);

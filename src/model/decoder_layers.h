@@ -1,6 +1,7 @@
-// The decoder layer shared by Qwen3/Llama targets and DFlash drafts:
+// The decoder layer shared by Qwen3/Llama/Qwen3.5 targets and DFlash drafts:
 // pre-norm attention (fused qkv, optional q/k norm, RoPE, GQA over a paged
-// KV cache) and a SwiGLU MLP, with fused residual-add + RMSNorm.
+// KV cache; Qwen3.5: partial RoPE and a sigmoid output gate) or Qwen3.5's Gated
+// DeltaNet, then a SwiGLU or routed MLP, with fused residual-add + RMSNorm.
 #pragma once
 
 #include <string>
@@ -13,8 +14,9 @@
 namespace dflash {
 
 struct LayerWeights {
-  Tensor attn_norm;  // [1, n_embd]  input_layernorm
-  Tensor qkv;        // [(n_heads + 2*n_kv_heads) * head_dim, n_embd]  q_proj ++ k_proj ++ v_proj
+  Tensor attn_norm;  // [1, n_embd]  input_layernorm (zero-centred norms: 1 + weight, float32, here and below)
+  Tensor qkv;        // [(n_heads + 2*n_kv_heads) * head_dim, n_embd]  q_proj ++ k_proj ++ v_proj; with an output
+                     // gate, the gate heads' rows of q_proj follow as n_heads * head_dim more rows
   Tensor qkv_bias;   // [1, (n_heads + 2*n_kv_heads) * head_dim] or empty
   Tensor q_norm;     // [1, head_dim] or empty (Llama)
   Tensor k_norm;     // [1, head_dim] or empty (Llama)
@@ -26,6 +28,15 @@ struct LayerWeights {
   Tensor gate_up_bias;  // [1, 2 * n_ff] or empty
   Tensor down;       // [n_embd, n_ff]
   Tensor down_bias;  // [1, n_embd] or empty
+  // Qwen3.5 Gated DeltaNet layers (instead of qkv, q_norm, k_norm, o):
+  Tensor linear_in;   // [conv_dim + value_dim + 2 * n_v_heads, n_embd]  in_proj_qkv ++ in_proj_z ++ in_proj_b ++ in_proj_a
+  LinearAttentionWeights linear;
+  Tensor linear_out;  // [n_embd, value_dim]  out_proj
+  // Qwen3.5-MoE's shared expert beside the routed ones:
+  Tensor shared_gate_up;  // [2 * shared_n_ff, n_embd]
+  Tensor shared_down;     // [n_embd, shared_n_ff]
+  Tensor shared_gate;     // [1, n_embd]  shared_expert_gate
+  bool is_linear() const { return !linear_in.empty(); }
 
   // Rows of `qkv` that produce K and V: [2 * n_kv_heads * head_dim, n_embd].
   Tensor kv_rows(const ModelConfig& c) const {
@@ -38,6 +49,9 @@ inline int64_t tensor_bytes(const Tensor& t) { return t.empty() ? 0 : t.rows * t
 // Bytes of every weight of the layer; with `routed_experts`, a routed layer counts only that many
 // of its experts: what one forward over it must read.
 int64_t layer_bytes(const LayerWeights& w, int routed_experts = -1);
+
+// A norm weight [1, n] as the model applies it (zero-centred norms: 1 + weight, in float32).
+Tensor load_norm(Backend& be, const TensorStore& store, const ModelConfig& c, const std::string& name, int64_t n);
 
 // Loads layer `i` with tensor names `prefix`layers.i.*, checking every shape.
 // The q/k/v weight parts of layer i, in the order they stack (q_proj, k_proj, v_proj), shape-checked.
@@ -60,6 +74,9 @@ struct StackInputs {
   // Optional, per layer: where a routed layer records how many rows each expert got
   // (Backend::moe's expert_rows; empty tensors for dense layers).
   std::vector<Tensor>* expert_rows = nullptr;
+  // Hybrid models: each sequence's Gated DeltaNet state use (ForwardBatch::recurrent).
+  const std::vector<RecurrentSegment>* recurrent = nullptr;
+  const std::vector<float>* inv_freq = nullptr;  // set by run_decoder_layers
 };
 
 // Runs all layers over `x` [rows, n_embd] (the residual stream, from Backend::alloc_f32, updated in place)

@@ -5,7 +5,7 @@
 namespace dflash {
 
 int32_t ForwardBatch::add_sequence(const std::vector<int32_t>& tokens, int32_t n_past,
-                                   const std::vector<int32_t>& page_table, bool causal) {
+                                   const std::vector<int32_t>& page_table, bool causal, StateUse state) {
   const int32_t first = n_rows(), n = static_cast<int32_t>(tokens.size());
   const int64_t n_keys = int64_t{n_past} + n;
   check(int64_t{page_size} * static_cast<int64_t>(page_table.size()) >= n_keys, "forward batch: page table covers ",
@@ -17,6 +17,7 @@ int32_t ForwardBatch::add_sequence(const std::vector<int32_t>& tokens, int32_t n
     kv_slots.push_back(page_table[pos / page_size] * page_size + pos % page_size);
   }
   segments.push_back({first, n, static_cast<int32_t>(n_keys), page_table.data(), causal});
+  if (state.slot >= 0) recurrent.push_back({first, n, state.slot, n_past == 0, state.replay, state.commit});
   return first;
 }
 

@@ -7,20 +7,51 @@
 namespace dflash {
 
 TargetModel::TargetModel(Backend& be, const std::string& dir) : be_(be), dir_(dir), cfg_(load_model_config(dir)) {
+  check(!cfg_.hybrid() || be.has_gated_delta_net(), dir, ": ", cfg_.architecture, " has Gated DeltaNet layers, which the ",
+        be.name(), " backend does not implement yet (use --device cpu)");
   const TensorStore store = TensorStore::open(dir);
   const int64_t v = cfg_.n_vocab, h = cfg_.n_embd;
-  w_.embed = be.upload({&store.get("model.embed_tokens.weight", {v, h})});
-  for (int i = 0; i < cfg_.n_layers; ++i) w_.layers.push_back(load_layer(be, store, cfg_, "model.", i));
-  w_.final_norm = be.upload({&store.get("model.norm.weight", {h})});
+  const std::string& prefix = cfg_.weight_prefix;
+  w_.embed = be.upload({&store.get(prefix + "embed_tokens.weight", {v, h})});
+  for (int i = 0; i < cfg_.n_layers; ++i) w_.layers.push_back(load_layer(be, store, cfg_, prefix, i));
+  w_.final_norm = load_norm(be, store, cfg_, prefix + "norm.weight", h);
   w_.lm_head = cfg_.tie_embeddings ? w_.embed : be.upload({&store.get("lm_head.weight", {v, h})});
-  inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.head_dim);
+  inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.rotary_dim());
   expert_rows_.resize(w_.layers.size());
   for (size_t l = 0; l < w_.layers.size(); ++l)
     if (!w_.layers[l].moe.empty()) expert_rows_[l] = be.alloc_ids(cfg_.moe.n_experts);
 }
 
-KvCache TargetModel::alloc_cache(int n_pages, int page_size) {
-  return be_.alloc_kv(cfg_.n_layers, n_pages, page_size, cfg_.n_kv_heads, cfg_.head_dim);
+KvCache TargetModel::alloc_cache(int n_pages, int page_size, int n_state_slots, int tape_rows) {
+  if (!cfg_.hybrid()) return be_.alloc_kv(cfg_.n_layers, n_pages, page_size, cfg_.n_kv_heads, cfg_.head_dim);
+  check(n_state_slots >= 1 && tape_rows >= 1, "a hybrid target's cache needs state slots and tape rows");
+  int n_attention = 0;
+  for (int l = 0; l < cfg_.n_layers; ++l) n_attention += !cfg_.is_linear_layer(l);
+  KvCache packed = be_.alloc_kv(n_attention, n_pages, page_size, cfg_.n_kv_heads, cfg_.head_dim);
+  KvCache c;
+  c.page_size = page_size;
+  c.n_pages = n_pages;
+  c.k.resize(static_cast<size_t>(cfg_.n_layers));
+  c.v.resize(static_cast<size_t>(cfg_.n_layers));
+  RecurrentCache& r = c.recurrent;
+  r.n_slots = n_state_slots;
+  r.tape_rows = tape_rows;
+  r.conv.resize(static_cast<size_t>(cfg_.n_layers));
+  r.state.resize(static_cast<size_t>(cfg_.n_layers));
+  r.tape.resize(static_cast<size_t>(cfg_.n_layers));
+  const LinearAttentionConfig& lc = cfg_.linear;
+  const int64_t tape_width = lc.conv_dim() + 2 * int64_t{lc.n_v_heads};
+  for (int l = 0, a = 0; l < cfg_.n_layers; ++l) {
+    if (!cfg_.is_linear_layer(l)) {
+      c.k[l] = packed.k[a];
+      c.v[l] = packed.v[a++];
+      continue;
+    }
+    r.conv[l] = be_.alloc_f32(n_state_slots, (lc.conv_kernel - 1) * lc.conv_dim());
+    r.state[l] = be_.alloc_f32(n_state_slots, int64_t{lc.n_v_heads} * lc.k_dim * lc.v_dim);
+    r.tape[l] = be_.alloc_f32(n_state_slots, tape_rows * tape_width);
+  }
+  return c;
 }
 
 int64_t TargetModel::weight_bytes_per_step(const std::vector<int>* routed) const {
@@ -71,6 +102,10 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
   in.segments = &batch.segments;
   in.cache = &cache;
   in.expert_rows = &expert_rows_;
+  if (cfg_.hybrid()) {
+    check(batch.recurrent.size() == batch.segments.size(), "a hybrid target's forward needs a state slot per sequence");
+    in.recurrent = &batch.recurrent;
+  }
   if (!capture_layers.empty()) {
     out.captured = be_.alloc(n, static_cast<int64_t>(capture_layers.size()) * cfg_.n_embd);
     in.capture_layers = &capture_layers;

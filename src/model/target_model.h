@@ -1,5 +1,6 @@
-// Qwen3 / Llama decoder-only target (one code path: Llama has no q/k norm and
-// may have biases and llama3 RoPE). Loads a Hugging Face directory as it is.
+// Qwen3 / Llama / Qwen3.5 decoder-only target (one code path: Llama has no q/k norm and
+// may have biases and llama3 RoPE; Qwen3.5 mixes Gated DeltaNet layers in). Loads a Hugging
+// Face directory as it is.
 #pragma once
 
 #include <string>
@@ -32,7 +33,9 @@ class TargetModel {
   // (layer j's output = residual stream after layer j = HF hidden_states[j+1]).
   Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
 
-  KvCache alloc_cache(int n_pages, int page_size);
+  // Hybrid targets also get n_state_slots recurrent states whose tapes hold tape_rows rows (the
+  // largest verification block); attention layers alone get pages.
+  KvCache alloc_cache(int n_pages, int page_size, int n_state_slots = 1, int tape_rows = 1);
   // Weight bytes a decode step reads: every layer, the final norm and lm_head. With `routed`
   // (routed_experts()), a routed layer counts only the experts its rows went to.
   int64_t weight_bytes_per_step(const std::vector<int>* routed = nullptr) const;
@@ -40,6 +43,7 @@ class TargetModel {
   // Synchronizes.
   std::vector<int> routed_experts();
   bool is_moe() const { return !cfg_.moe_layer.empty(); }
+  bool is_hybrid() const { return cfg_.hybrid(); }
   const ModelConfig& config() const { return cfg_; }
   const TargetWeights& weights() const { return w_; }
   Backend& backend() const { return be_; }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/gated_delta_net.h"
 #include "util/error.h"
 
 namespace dflash {
@@ -192,8 +193,9 @@ class CpuBackend final : public Backend {
 
   void head_norm_rope(Tensor& x, int n_heads, int head_dim, const Tensor* norm_weight, float eps,
                       const std::vector<int32_t>& positions, const std::vector<float>& inv_freq) override {
-    const int half = head_dim / 2;
-    check(static_cast<int>(inv_freq.size()) == half, "cpu backend: rope table size mismatch");
+    // The leading 2 * inv_freq.size() dimensions rotate (all of them, or Qwen3.5's partial rotary).
+    const int half = static_cast<int>(inv_freq.size());
+    check(half >= 1 && 2 * half <= head_dim, "cpu backend: rope table size mismatch");
 #pragma omp parallel for schedule(static) if (x.rows > 8)
     for (int64_t r = 0; r < x.rows; ++r) {
       std::vector<float> cos_t(half), sin_t(half);
@@ -321,6 +323,33 @@ class CpuBackend final : public Backend {
       for (int e = 0; e < w.n_experts; ++e) counts[e * expert_rows->stride] = 0;
       for (const auto& route : routes)
         for (const auto& chosen : route) ++counts[chosen.first * expert_rows->stride];
+    }
+  }
+
+  bool has_gated_delta_net() const override { return true; }
+  void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,
+                       RecurrentCache& cache, int layer, const std::vector<RecurrentSegment>& segments,
+                       Tensor& out) override {
+    cpu_gated_delta_net(proj, w, p, cache, layer, segments, out);
+  }
+
+  void sigmoid_mul(Tensor& x, const Tensor& gate) override {
+    check(gate.rows == x.rows && gate.cols == x.cols, "cpu backend: sigmoid_mul shape mismatch");
+    for (int64_t r = 0; r < x.rows; ++r) {
+      float* v = x.row_f32(r);
+      const float* g = gate.row_f32(r);
+      for (int64_t i = 0; i < x.cols; ++i) v[i] *= 1.0f / (1.0f + std::exp(-g[i]));
+    }
+  }
+
+  void add_sigmoid_scaled(Tensor& acc, const Tensor& y, const Tensor& gate) override {
+    check(y.rows == acc.rows && y.cols == acc.cols && gate.rows == acc.rows && gate.cols == 1,
+          "cpu backend: add_sigmoid_scaled shape mismatch");
+    for (int64_t r = 0; r < acc.rows; ++r) {
+      float* o = acc.row_f32(r);
+      const float* v = y.row_f32(r);
+      const float s = 1.0f / (1.0f + std::exp(-gate.row_f32(r)[0]));
+      for (int64_t i = 0; i < acc.cols; ++i) o[i] += s * v[i];
     }
   }
 

@@ -11,7 +11,8 @@ namespace {
 StepCaches alloc_caches(ModelSet& m, const LoopOptions& o) {
   check(o.n_pages > 0, "the KV cache needs at least one page");
   StepCaches c;
-  c.target = m.target->alloc_cache(o.n_pages, m.page_size);
+  // Hybrid targets: a state slot per running sequence, tapes as long as a verification block.
+  c.target = m.target->alloc_cache(o.n_pages, m.page_size, o.max_num_seqs, o.speculative ? m.block_size : 1);
   if (o.speculative) c.draft = m.draft->alloc_cache(o.n_pages, m.page_size);
   return c;
 }
@@ -22,7 +23,7 @@ DecodeLoop::DecodeLoop(ModelSet& m, const LoopOptions& o)
     : m_(m),
       caches_((check(!o.speculative || m.draft, "DFlash decoding needs a draft model (--draft)"), alloc_caches(m, o))),
       sched_(o.n_pages, m.page_size, o.speculative, o.speculative ? m.block_size : 1, o.max_num_seqs,
-             o.max_tokens_per_step, m.target->config().max_positions),
+             o.max_tokens_per_step, m.target->config().max_positions, m.target->is_hybrid()),
       runner_(m, caches_, o.speculative, o.spec_sampling, o.graphs) {
   stats_.acceptance_histogram.assign(runner_.block(), 0);
   stats_.position_accepted.assign(std::max(runner_.block() - 1, 0), 0);
@@ -40,6 +41,8 @@ int64_t DecodeLoop::kv_cache_bytes() const {
   for (const KvCache* c : {&caches_.target, &caches_.draft}) {
     for (const auto& t : c->k) n += tensor_bytes(t);
     for (const auto& t : c->v) n += tensor_bytes(t);
+    for (const auto* ts : {&c->recurrent.conv, &c->recurrent.state, &c->recurrent.tape})
+      for (const auto& t : *ts) n += tensor_bytes(t);
   }
   return n;
 }

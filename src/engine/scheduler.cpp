@@ -7,13 +7,16 @@
 namespace dflash {
 
 Scheduler::Scheduler(int n_pages, int page_size, bool with_draft, int block, int max_num_seqs, int max_tokens_per_step,
-                     int max_positions)
+                     int max_positions, bool recurrent)
     : pool_(n_pages, page_size),
       with_draft_(with_draft),
       block_(block),
       max_num_seqs_(max_num_seqs),
       max_tokens_per_step_(max_tokens_per_step),
-      max_positions_(max_positions) {
+      max_positions_(max_positions),
+      recurrent_(recurrent) {
+  if (recurrent_)
+    for (int32_t slot = max_num_seqs - 1; slot >= 0; --slot) free_slots_.push_back(slot);
   check(max_num_seqs >= 1, "max_num_seqs must be at least 1");
   check(max_tokens_per_step >= block, "max_tokens_per_step (", max_tokens_per_step, ") must be at least the block size (",
         block, ")");
@@ -31,15 +34,24 @@ void Scheduler::release(Sequence& s) {
   pool_.release(s.pages);
   s.n_registered = 0;
   s.chain = 0;
+  if (s.state_slot >= 0) free_slots_.push_back(s.state_slot);
+  s.state_slot = -1;
+  s.state_replay = 0;
 }
 
 bool Scheduler::admit(Sequence& s) {
-  const int32_t covered = pool_.match_prefix(s.tokens, s.pages);
+  const int32_t covered = recurrent_ ? 0 : pool_.match_prefix(s.tokens, s.pages);
   if (!reserve(s, std::min<int64_t>(static_cast<int64_t>(s.tokens.size()) + block_, max_positions_))) {
     pool_.release(s.pages);
     return false;
   }
   s.n_cached = s.n_draft_ctx = covered;
+  if (recurrent_) {
+    check(!free_slots_.empty(), "internal: no free state slot for a running sequence");
+    s.state_slot = free_slots_.back();
+    free_slots_.pop_back();
+    s.state_replay = 0;
+  }
   return true;
 }
 
@@ -60,6 +72,7 @@ StepPlan Scheduler::schedule() {
   StepPlan plan;
   // Pages completed by the last step join the prefix cache (with a draft, once its context covers them too).
   for (auto& s : running_) {
+    if (recurrent_) break;
     const int32_t committed = with_draft_ ? std::min(s->n_cached, s->n_draft_ctx) : s->n_cached;
     pool_.register_full_pages(s->tokens, committed, s->pages, &s->n_registered, &s->chain);
   }

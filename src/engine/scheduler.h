@@ -31,9 +31,11 @@ struct StepPlan {
 
 class Scheduler {
  public:
-  // block: rows a decoding sequence needs per step (DFlash block size, 1 for plain).
+  // block: rows a decoding sequence needs per step (DFlash block size, 1 for plain). recurrent:
+  // the target keeps a state per sequence (hybrid models): each running sequence gets a slot
+  // 0..max_num_seqs-1, and the prefix cache is not used (a cached prefix would need its state).
   Scheduler(int n_pages, int page_size, bool with_draft, int block, int max_num_seqs, int max_tokens_per_step,
-            int max_positions);
+            int max_positions, bool recurrent = false);
 
   void add(std::unique_ptr<Sequence> seq);        // to the back of the waiting queue
   // Plans the next step; may preempt running sequences (moved to the waiting front).
@@ -68,6 +70,8 @@ class Scheduler {
   std::vector<std::unique_ptr<Sequence>> running_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   int64_t next_order_ = 0, n_preempted_ = 0;
+  bool recurrent_;
+  std::vector<int32_t> free_slots_;
 };
 
 }  // namespace dflash

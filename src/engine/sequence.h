@@ -30,6 +30,10 @@ struct Sequence {
   int logprobs = -1;             // >= 0: log-probabilities of emitted tokens, with this many top entries
   uint64_t share_prefix_with = 0;  // admitted only once that sequence's prompt is cached (n > 1)
   int64_t admit_order = 0;       // larger = admitted later (preempted first)
+  // Hybrid targets (Qwen3.5): the sequence's Gated DeltaNet state slot while it runs, and how many
+  // rows of its last verification block (accepted ones) its next target forward folds in first.
+  int32_t state_slot = -1;
+  int32_t state_replay = 0;
 
   bool prefilling() const { return pending < 0; }
 };

@@ -79,7 +79,8 @@ Step StepRunner::prepare(const StepPlan& plan, bool force_fixed_shape) const {
       r.first_draft_logit = static_cast<int32_t>(db.logit_rows.size());
       for (int32_t j = 1; j < r.n_rows; ++j) db.logit_rows.push_back(first + j);
     }
-    r.first_row = tb.add_sequence(rows, s.n_cached, s.pages);
+    // Hybrid targets: a verification block stays on the tape until its accepted rows are known.
+    r.first_row = tb.add_sequence(rows, s.n_cached, s.pages, true, {s.state_slot, s.state_replay, r.n_drafted == 0});
     r.first_logit = static_cast<int32_t>(tb.logit_rows.size());
     if (r.prefill) {
       if (r.chooses) tb.logit_rows.push_back(r.first_row + r.n_rows - 1);
@@ -191,6 +192,7 @@ void StepRunner::postprocess(Step& st, StepCounters& c) {
   size_t next_block = 0;
   for (SeqStep& r : st.seqs) {
     Sequence& s = *r.seq;
+    s.state_replay = 0;  // folded in by this step's forward
     if (r.prefill) {
       project(s, r.first_row, r.n_rows);
       s.n_cached += r.n_rows;
@@ -207,6 +209,7 @@ void StepRunner::postprocess(Step& st, StepCounters& c) {
       s.tokens.push_back(s.pending);
       s.tokens.insert(s.tokens.end(), d.begin(), d.begin() + a);
       s.n_cached += a + 1;
+      if (r.n_drafted > 0) s.state_replay = a + 1;  // t, d_1..d_a of the tape
       project(s, r.first_row, a + 1);
       auto lp = [&](int j) { return v.logprobs.empty() ? nullptr : &v.logprobs[static_cast<size_t>(j)]; };
       for (int j = 0; j < a; ++j) emit(r, d[static_cast<size_t>(j)], lp(j));

@@ -163,6 +163,67 @@ TEST(ModelConfig, Qwen3MoeErrorsNameTheKey) {
   EXPECT_NO_THROW(parse_model_config(with("shared_expert_intermediate_size", 0), "cfg.json"));
 }
 
+// A Qwen3.5-27B-shaped multimodal config (the text model under text_config, as the hub has it).
+json qwen3_5_multimodal() {
+  return json::parse(R"({
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": false,
+    "vision_config": {"depth": 27, "hidden_size": 1152},
+    "text_config": {"model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
+      "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+      "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+      "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+      "rms_norm_eps": 1e-06, "vocab_size": 248320, "max_position_embeddings": 262144, "hidden_act": "silu",
+      "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                          "mrope_section": [11, 11, 10], "mrope_interleaved": true}}})");
+}
+
+TEST(ModelConfig, Qwen3_5HybridLayersFromTheMultimodalWrapper) {
+  const ModelConfig c = parse_model_config(qwen3_5_multimodal(), "cfg.json");
+  EXPECT_EQ(c.weight_prefix, "model.language_model.");
+  EXPECT_TRUE(c.hybrid());
+  int linear = 0;
+  for (int i = 0; i < c.n_layers; ++i) linear += c.is_linear_layer(i);
+  EXPECT_EQ(linear, 48);
+  EXPECT_FALSE(c.is_linear_layer(3));
+  EXPECT_TRUE(c.is_linear_layer(4));
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_EQ(c.linear.conv_dim(), 2 * 16 * 128 + 48 * 128);
+  EXPECT_TRUE(c.attn_output_gate && c.zero_centred_norms && c.qk_norm);
+  EXPECT_TRUE(c.moe_layer.empty());
+  // The MoE text model: every layer routed plus a shared expert, top-k renormalized.
+  json moe = qwen3_5_multimodal()["text_config"];
+  moe.erase("intermediate_size");
+  moe.update(json::parse(R"({"architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512})"));
+  const ModelConfig m = parse_model_config(moe, "cfg.json");
+  EXPECT_EQ(m.weight_prefix, "model.");
+  EXPECT_TRUE(m.is_moe_layer(0) && m.is_moe_layer(63));
+  EXPECT_TRUE(m.moe.norm_topk_prob);
+  EXPECT_EQ(m.moe.shared_n_ff, 512);
+}
+
+TEST(ModelConfig, Qwen3_5ErrorsNameTheField) {
+  auto with = [](const char* k, json v) {
+    json j = qwen3_5_multimodal();
+    if (v.is_null()) j["text_config"].erase(k);
+    else j["text_config"][k] = v;
+    return j;
+  };
+  expect_error(with("linear_num_value_heads", nullptr), "linear_num_value_heads");
+  expect_error(with("linear_num_value_heads", 40), "linear_num_value_heads");
+  expect_error(with("linear_conv_kernel_dim", 0), "linear_conv_kernel_dim");
+  expect_error(with("layer_types", json::array({"linear_attention"})), "layer_types");
+  json bad_type = json::array();
+  for (int i = 0; i < 64; ++i) bad_type.push_back(i == 5 ? "mamba" : "full_attention");
+  expect_error(with("layer_types", bad_type), "mamba");
+  json rope = qwen3_5_multimodal()["text_config"]["rope_parameters"];
+  rope["partial_rotary_factor"] = 1.5;
+  expect_error(with("rope_parameters", rope), "partial_rotary_factor");
+  json no_text = qwen3_5_multimodal();
+  no_text.erase("text_config");
+  expect_error(no_text, "text_config");
+}
+
 TEST(DraftConfig, DefaultTargetLayerIdsRoundHalfToEven) {
   EXPECT_EQ(default_target_layer_ids(36, 5), (std::vector<int>{1, 9, 17, 25, 33}));
   EXPECT_EQ(default_target_layer_ids(36, 1), (std::vector<int>{18}));

@@ -115,9 +115,30 @@ std::vector<float> prefill_logits(const std::string& dir, const std::vector<int3
   KvCache cache = m.alloc_cache(2, 16);
   std::vector<int32_t> pages = {1, 0};
   ForwardBatch b(16);
-  b.add_sequence(ids, 0, pages);
+  b.add_sequence(ids, 0, pages, true, {0});
   for (int32_t r = 0; r < b.n_rows(); ++r) b.logit_rows.push_back(r);
   return be->to_host(m.forward(b, cache).logits);
+}
+
+// Qwen3_5ForConditionalGeneration as transformers writes it (language model under
+// model.language_model., a vision tower) gives the text model's logits exactly.
+TEST(ModelLoading, MultimodalQwen3_5LoadsItsLanguageModel) {
+  const std::vector<int32_t> ids = {5, 17, 200, 3, 99, 41, 7};
+  const auto text = prefill_logits(test::fixture("targets/qwen3_5_tied"), ids);
+  const auto wrapped = prefill_logits(test::fixture("targets/qwen3_5_vl_tied"), ids);
+  EXPECT_EQ(text, wrapped);
+}
+
+TEST(ModelLoading, MissingLinearAttentionTensorIsNamed) {
+  test::TempDir dir;
+  copy_checkpoint("qwen3_5_tied", dir, [](const std::string& n, auto&, auto&) {
+    return n != "model.layers.2.linear_attn.A_log";
+  });
+  expect_load_error(dir, {"missing tensor 'model.layers.2.linear_attn.A_log'"});
+  test::TempDir wrong;
+  copy_checkpoint("qwen3_5_tied", wrong, [](auto&, auto&, auto&) { return true; },
+                  [](json& cfg) { cfg["linear_conv_kernel_dim"] = 3; });
+  expect_load_error(wrong, {"model.layers.0.linear_attn.conv1d.weight", "expected [96, 1, 3]"});
 }
 
 // The experts stacked as transformers 5 holds them in memory (mlp.experts.gate_up_proj

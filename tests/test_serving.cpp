@@ -52,8 +52,8 @@ struct Pair {
   std::vector<std::vector<int32_t>> prompts;
 };
 
-Pair trained_pair() {
-  const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
+Pair trained_pair(const std::string& name = "trained_qwen3") {
+  const auto meta = test::read_json(fixture("expected/" + name + ".json"));
   return {fixture(meta["target"].get<std::string>()), fixture(meta["draft"].get<std::string>()),
           meta["prompts"].get<std::vector<std::vector<int32_t>>>()};
 }
@@ -129,6 +129,17 @@ TEST(Serving, PreemptionWhenPagesRunOutLosesNothing) {
   EXPECT_GT(preempted, 0) << "the test meant to exercise preemption did not preempt";
   expect_same_as_generate(trained_pair(), SpeculativeMode::None, 64, 12, 20, &preempted);
   EXPECT_GT(preempted, 0);
+}
+
+// Qwen3.5: every running sequence keeps its own Gated DeltaNet state (a slot), verification
+// blocks fold in only their accepted rows, and a preempted sequence starts its state over.
+TEST(Serving, HybridTargetRequestsEqualOneAtATimeAlsoWhenPreempted) {
+  expect_same_as_generate(trained_pair("trained_qwen3_5"), SpeculativeMode::DFlash, 40, 0, 8);
+  int64_t preempted = 0;
+  expect_same_as_generate(trained_pair("trained_qwen3_5"), SpeculativeMode::DFlash, 64, 24, 20, &preempted);
+  EXPECT_GT(preempted, 0) << "the test meant to exercise preemption did not preempt";
+  const SamplingParams sp{0.8f, 0, 0.95f, 4242};
+  expect_same_as_generate(trained_pair("trained_qwen3_5"), SpeculativeMode::DFlash, 40, 0, 8, nullptr, &sp);
 }
 
 TEST(Serving, SampledDFlashRequestsEqualPlainSamplingAlsoWhenPreempted) {

@@ -12,7 +12,7 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 tests logits sites bench bench-moe profile ab builds serving
+# Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 tests logits sites bench bench-moe bench-qwen3_5 profile ab builds serving
 # serving-moe ttft sampling ncu ncu-decode graphs" (default: tests logits bench serving).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +84,15 @@ random_moe_pair() {
   fi
   [ -f "$ckpt/dflash-30b-a3b/config.json" ] ||
     python3 tools/make_random_checkpoint.py dflash-30b-a3b "$ckpt/dflash-30b-a3b" --seed 5
+}
+# The random Qwen3.5-27B-shaped target (about 54 GB; alone on the disk) and a DFlash draft for it.
+random_qwen3_5_pair() {
+  if [ ! -f "$ckpt/qwen3_5-27b/config.json" ]; then
+    rm -rf "$ckpt/qwen3-8b" "$ckpt/dflash-8b" "$ckpt/qwen3-30b-a3b" "$ckpt/dflash-30b-a3b"
+    python3 tools/make_random_checkpoint.py qwen3_5-27b "$ckpt/qwen3_5-27b" --seed 6
+  fi
+  [ -f "$ckpt/dflash-qwen3_5-27b/config.json" ] ||
+    python3 tools/make_random_checkpoint.py dflash-qwen3_5-27b "$ckpt/dflash-qwen3_5-27b" --seed 7
 }
 # The Qwen3 tokenizer (from the test fixtures) into a random checkpoint, for the server.
 add_tokenizer() { tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && cp "$ckpt"/qwen3/tokenizer*.json "$1/"; }
@@ -172,6 +181,15 @@ if [[ $steps == *bench-moe* ]]; then
     --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --json "$out/bench_step_moe.json" \
     ${BENCH_PREFILL:+--prefill "$BENCH_PREFILL" --prefill-batch "${BENCH_PREFILL_BATCH:-1}"} \
     2>&1 | tee "$out/bench_step_moe.txt" || status=1
+fi
+
+if [[ $steps == *bench-qwen3_5* ]]; then
+  echo "== bench-step: Qwen3.5-27B shape + a DFlash draft, random weights =="
+  random_qwen3_5_pair
+  "$dflash" bench-step --device cuda --model "$ckpt/qwen3_5-27b" --draft "$ckpt/dflash-qwen3_5-27b" \
+    --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --json "$out/bench_step_qwen3_5.json" \
+    ${BENCH_PREFILL:+--prefill "$BENCH_PREFILL" --prefill-batch "${BENCH_PREFILL_BATCH:-1}"} \
+    2>&1 | tee "$out/bench_step_qwen3_5.txt" || status=1
 fi
 
 if [[ " $steps " == *" ncu "* ]]; then

@@ -38,7 +38,7 @@ std::vector<float> prefill_logits(Backend& be, const std::string& dir, const std
   KvCache cache = m.alloc_cache(8, 16);
   std::vector<int32_t> table{0, 1, 2, 3, 4, 5, 6, 7};
   ForwardBatch b(16);
-  b.add_sequence(prompt, 0, table);
+  b.add_sequence(prompt, 0, table, true, {0});
   for (int32_t r = 0; r < b.n_rows(); ++r) b.logit_rows.push_back(r);
   return be.to_host(m.forward(b, cache).logits);
 }
@@ -48,8 +48,8 @@ TEST_F(CudaEngine, TargetLogitsTrackTheCpuBackend) {
   auto cpu = make_cpu_backend();
   std::mt19937 rng(7);
   for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3",
-                           "qwen3_moe_tied", "qwen3_moe_untied_bf16",
-                           "trained_qwen3_moe"}) {
+                           "qwen3_moe_tied", "qwen3_moe_untied_bf16", "trained_qwen3_moe", "qwen3_5_tied",
+                           "qwen3_5_moe_untied_bf16", "trained_qwen3_5"}) {
     const std::string dir = fixture(std::string("targets/") + name);
     std::vector<int32_t> prompt(100);
     for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
@@ -57,7 +57,11 @@ TEST_F(CudaEngine, TargetLogitsTrackTheCpuBackend) {
     std::printf("[%s] prefill logits, 100 tokens: rel. L2 error %.2e vs the fp32 CPU backend\n", name, err);
     // Routed targets: bf16 router logits move the expert weights by up to about 1% (the kernel
     // itself is held to 3e-3 against a reference with its rounding points, test_cuda_kernels.cpp).
-    EXPECT_LE(err, std::string(name).find("moe") != std::string::npos ? 4e-2 : 2e-2) << name;
+    // Qwen3.5 targets round where transformers in bf16 rounds (its own bf16 logits are 2.4e-2 and
+    // 3.4e-2 from its float32 ones on qwen3_5_tied and trained_qwen3_5: bench/results/
+    // logits_vs_hf_qwen3_5_h100.txt).
+    const bool loose = std::string(name).find("moe") != std::string::npos || std::string(name).find("qwen3_5") != std::string::npos;
+    EXPECT_LE(err, loose ? 4e-2 : 2e-2) << name;
   }
 }
 
@@ -102,6 +106,65 @@ TEST_F(CudaEngine, RoutedRowsAreBitIdenticalAloneAndInABatch) {
   }
 }
 
+// Qwen3.5: a verification block's rows give the same bits alone and beside other sequences'
+// rows (each sequence on its own state slot, over its own prefix; verification leaves the states
+// as they were, so the two forwards start from the same states).
+TEST_F(CudaEngine, HybridRowsAreBitIdenticalAloneAndInABatch) {
+  auto be = make_cuda_backend();
+  for (const char* name : {"qwen3_5_tied", "qwen3_5_moe_untied_bf16", "trained_qwen3_5"}) {
+    TargetModel m(*be, fixture(std::string("targets/") + name));
+    const int page = 16;
+    KvCache cache = m.alloc_cache(24, page, 3, 16);
+    std::vector<std::vector<int32_t>> tables(3, std::vector<int32_t>(8));
+    for (int s = 0; s < 3; ++s)
+      for (int i = 0; i < 8; ++i) tables[s][i] = s * 8 + i;
+    std::mt19937 rng(12);
+    auto random_tokens = [&](int n) {
+      std::vector<int32_t> t(static_cast<size_t>(n));
+      for (auto& x : t) x = static_cast<int32_t>(rng() % 256);
+      return t;
+    };
+    const int n_past[3] = {40, 57, 23};
+    for (int s = 0; s < 3; ++s) {  // the prefixes, committed to each slot
+      ForwardBatch b(page);
+      b.add_sequence(random_tokens(n_past[s]), 0, tables[s], true, {s});
+      m.forward(b, cache);
+    }
+    const auto block = random_tokens(16), one = random_tokens(1), eight = random_tokens(8);
+    const StateUse verify0{0, 0, false}, verify1{1, 0, false}, verify2{2, 0, false};
+    ForwardBatch alone(page);
+    alone.add_sequence(block, n_past[0], tables[0], true, verify0);
+    for (int32_t r = 0; r < 16; ++r) alone.logit_rows.push_back(r);
+    const auto want = be->to_host(m.forward(alone, cache).logits);
+    ForwardBatch mixed(page);
+    mixed.add_sequence(one, n_past[1], tables[1], true, verify1);
+    const int32_t first = mixed.add_sequence(block, n_past[0], tables[0], true, verify0);
+    mixed.add_sequence(eight, n_past[2], tables[2], true, verify2);
+    for (int32_t r = 0; r < 16; ++r) mixed.logit_rows.push_back(first + r);
+    const auto got = be->to_host(m.forward(mixed, cache).logits);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << name << ": element " << i;
+    // Replaying 5 accepted rows then decoding one equals committing those rows then decoding it.
+    KvCache direct = m.alloc_cache(24, page, 3, 16);
+    std::mt19937 again(12);  // slot 0's prefix again
+    std::vector<int32_t> prefix(static_cast<size_t>(n_past[0]));
+    for (auto& x : prefix) x = static_cast<int32_t>(again() % 256);
+    ForwardBatch pre(page), accepted(page);
+    pre.add_sequence(prefix, 0, tables[0], true, {0});
+    m.forward(pre, direct);
+    accepted.add_sequence(std::vector<int32_t>(block.begin(), block.begin() + 5), n_past[0], tables[0], true, {0});
+    m.forward(accepted, direct);
+    const auto next = random_tokens(1);
+    ForwardBatch replayed(page), committed(page);
+    replayed.add_sequence(next, n_past[0] + 5, tables[0], true, {0, 5, true});
+    committed.add_sequence(next, n_past[0] + 5, tables[0], true, {0});
+    replayed.logit_rows = committed.logit_rows = {0};
+    const auto r1 = be->to_host(m.forward(replayed, cache).logits);
+    const auto r2 = be->to_host(m.forward(committed, direct).logits);
+    EXPECT_EQ(r1, r2) << name << ": a replayed tape differs from committed rows";
+  }
+}
+
 EngineOptions bundled_pair_on_gpu() {
   EngineOptions eo;
   eo.device = "cuda";
@@ -134,8 +197,8 @@ double expect_lossless(Engine& engine, const std::vector<std::vector<int32_t>>& 
 
 TEST_F(CudaEngine, DFlashEqualsPlainGreedyForFixturePairs) {
   for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3",
-                           "qwen3_moe_tied", "qwen3_moe_untied_bf16",
-                           "trained_qwen3_moe"}) {
+                           "qwen3_moe_tied", "qwen3_moe_untied_bf16", "trained_qwen3_moe", "qwen3_5_tied",
+                           "qwen3_5_moe_untied_bf16", "trained_qwen3_5"}) {
     const auto meta = test::read_json(fixture(std::string("expected/") + name + ".json"));
     EngineOptions eo;
     eo.device = "cuda";

@@ -13,6 +13,14 @@ and numerics checks on the device (torch + safetensors; the GPU makes it fast).
               32/4 heads of 128, intermediate 6144, block 16, target_layer_ids [1, 12, 23, 34, 45]
               (the default rule for 48 target layers), mask 151669
 
+  qwen3_5-27b  Qwen3_5ForCausalLM of Qwen3.5-27B's shape: hidden 5120, 64 layers (every fourth
+              gated full attention: 24/4 heads of 256, partial rotary 0.25; the others Gated
+              DeltaNet: 16 key / 48 value heads of 128, convolution 4), intermediate 17408, vocab
+              248320, untied lm_head (about 54 GB)
+  dflash-qwen3_5-27b  a DFlash draft for it laid out as the 8B one: 5 layers of hidden 5120, 32/8
+              heads of 128, intermediate 17408, block 16, target_layer_ids [1, 16, 31, 46, 61] (the
+              default rule for 64 target layers), mask 248077
+
 Usage: make_random_checkpoint.py SHAPE OUT_DIR [--layers N] [--seed S]
 (--layers overrides the layer count, e.g. a few real-size layers for a logits check.)
 """
@@ -31,8 +39,12 @@ SHAPES = {
                           experts=128, top_k=8, moe_ff=768),
     "dflash-30b-a3b": dict(hidden=2048, layers=5, heads=32, kv_heads=4, head_dim=128, ff=6144, vocab=151936,
                            target_layers=48, layer_ids=[1, 12, 23, 34, 45], mask=151669, block=16),
+    "qwen3_5-27b": dict(hidden=5120, layers=64, heads=24, kv_heads=4, head_dim=256, ff=17408, vocab=248320,
+                        linear=dict(k_heads=16, v_heads=48, k_dim=128, v_dim=128, kernel=4), interval=4),
+    "dflash-qwen3_5-27b": dict(hidden=5120, layers=5, heads=32, kv_heads=8, head_dim=128, ff=17408, vocab=248320,
+                               target_layers=64, layer_ids=[1, 16, 31, 46, 61], mask=248077, block=16),
 }
-TARGETS = ("qwen3-8b", "qwen3-30b-a3b")
+TARGETS = ("qwen3-8b", "qwen3-30b-a3b", "qwen3_5-27b")
 SHARD_BYTES = 4 << 30
 
 
@@ -47,6 +59,16 @@ def config_for(name, s):
     if name in TARGETS:
         base.update({"architectures": ["Qwen3ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151645,
                      "use_sliding_window": False, "sliding_window": None})
+        if "linear" in s:
+            lin = s["linear"]
+            base.update({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+                         "bos_token_id": None, "eos_token_id": 248044, "full_attention_interval": s["interval"],
+                         "linear_num_key_heads": lin["k_heads"], "linear_num_value_heads": lin["v_heads"],
+                         "linear_key_head_dim": lin["k_dim"], "linear_value_head_dim": lin["v_dim"],
+                         "linear_conv_kernel_dim": lin["kernel"], "max_position_embeddings": 262144,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                             "partial_rotary_factor": 0.25}})
+            base.pop("rope_theta")
         if "experts" in s:
             base.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                          "num_experts": s["experts"], "num_experts_per_tok": s["top_k"],
@@ -74,8 +96,39 @@ def tensors(name, s, gen, device):
     else:
         yield "fc.weight", rnd(h, len(s["layer_ids"]) * h)
         yield "hidden_norm.weight", norm(h)
+    lin = s.get("linear")
+
+    def zero_centred(n):  # Qwen3.5's norms scale by 1 + weight
+        return (torch.randn(n, generator=gen, device=device) * 0.1).to(torch.bfloat16).cpu()
+
     for i in range(s["layers"]):
         p = f"{prefix}layers.{i}."
+        if lin:
+            yield p + "input_layernorm.weight", zero_centred(h)
+            yield p + "post_attention_layernorm.weight", zero_centred(h)
+            if (i + 1) % s["interval"]:
+                kd, vd = lin["k_heads"] * lin["k_dim"], lin["v_heads"] * lin["v_dim"]
+                a = p + "linear_attn."
+                yield a + "in_proj_qkv.weight", rnd(2 * kd + vd, h)
+                yield a + "in_proj_z.weight", rnd(vd, h)
+                yield a + "in_proj_b.weight", rnd(lin["v_heads"], h)
+                yield a + "in_proj_a.weight", rnd(lin["v_heads"], h)
+                yield a + "conv1d.weight", rnd(2 * kd + vd, 1, lin["kernel"], std=0.3)
+                yield a + "A_log", rnd(lin["v_heads"], std=0.5)
+                yield a + "dt_bias", rnd(lin["v_heads"], std=0.5)
+                yield a + "norm.weight", norm(lin["v_dim"])
+                yield a + "out_proj.weight", rnd(h, vd)
+            else:
+                yield p + "self_attn.q_proj.weight", rnd(2 * q, h)
+                yield p + "self_attn.k_proj.weight", rnd(kv, h)
+                yield p + "self_attn.v_proj.weight", rnd(kv, h)
+                yield p + "self_attn.o_proj.weight", rnd(h, q)
+                yield p + "self_attn.q_norm.weight", zero_centred(s["head_dim"])
+                yield p + "self_attn.k_norm.weight", zero_centred(s["head_dim"])
+            yield p + "mlp.gate_proj.weight", rnd(ff, h)
+            yield p + "mlp.up_proj.weight", rnd(ff, h)
+            yield p + "mlp.down_proj.weight", rnd(h, ff)
+            continue
         yield p + "input_layernorm.weight", norm(h)
         yield p + "self_attn.q_proj.weight", rnd(q, h)
         yield p + "self_attn.k_proj.weight", rnd(kv, h)
@@ -94,7 +147,7 @@ def tensors(name, s, gen, device):
         yield p + "mlp.gate_proj.weight", rnd(ff, h)
         yield p + "mlp.up_proj.weight", rnd(ff, h)
         yield p + "mlp.down_proj.weight", rnd(h, ff)
-    yield prefix + "norm.weight", norm(h)
+    yield prefix + "norm.weight", zero_centred(h) if lin else norm(h)
     if name in TARGETS:
         yield "lm_head.weight", rnd(s["vocab"], h)
 

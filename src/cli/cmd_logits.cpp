@@ -35,7 +35,7 @@ Command add_logits(CLI::App& app) {
     std::vector<int32_t> table(static_cast<size_t>(n_pages));
     for (int i = 0; i < n_pages; ++i) table[i] = i;
     ForwardBatch b(page_size);
-    b.add_sequence(a->ids, 0, table);
+    b.add_sequence(a->ids, 0, table, true, {0});
     for (int32_t r = 0; r < b.n_rows(); ++r) b.logit_rows.push_back(r);
     const std::vector<float> logits = be->to_host(m.forward(b, cache).logits);
     std::ofstream out(a->out, std::ios::binary);

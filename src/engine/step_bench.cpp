@@ -43,9 +43,23 @@ int64_t kv_bytes(const KvCache& c) {
   return n;
 }
 
-// Bytes of K and V that attention over n_keys positions reads in every layer of a stack.
+int attention_layers(const ModelConfig& c) {
+  int n = 0;
+  for (int l = 0; l < c.n_layers; ++l) n += !c.is_linear_layer(l);
+  return n;
+}
+
+// Bytes of K and V that attention over n_keys positions reads in every attention layer of a stack.
 int64_t kv_read_bytes(const ModelConfig& c, int64_t n_keys, DType dt) {
-  return n_keys * c.n_layers * 2 * int64_t{c.n_kv_heads} * c.head_dim * static_cast<int64_t>(dtype_size(dt));
+  return n_keys * attention_layers(c) * 2 * int64_t{c.n_kv_heads} * c.head_dim * static_cast<int64_t>(dtype_size(dt));
+}
+
+// Bytes of one sequence's Gated DeltaNet states (recurrent and convolution, float32) that a step
+// reads and writes back: hybrid targets only.
+int64_t state_bytes_per_step(const ModelConfig& c) {
+  const LinearAttentionConfig& l = c.linear;
+  const int64_t per_layer = 4 * (int64_t{l.n_v_heads} * l.k_dim * l.v_dim + (l.conv_kernel - 1) * l.conv_dim());
+  return 2 * per_layer * (c.n_layers - attention_layers(c));
 }
 
 double median_ms(std::vector<double> v) {
@@ -124,16 +138,18 @@ void bench_kernels(Backend& be, TargetModel& target, int page_size, StepBenchRep
   for (int ctx : {512, 2048}) {
     Batch bt(1, ctx + 1, page_size);
     KvCache cache = target.alloc_cache(bt.n_pages(), page_size);
-    be.fill_random(cache.k[0], 11, 1.0f);
-    be.fill_random(cache.v[0], 12, 1.0f);
+    size_t l = 0;  // the first attention layer (hybrids begin with linear-attention layers)
+    while (cache.k[l].empty()) ++l;
+    be.fill_random(cache.k[l], 11, 1.0f);
+    be.fill_random(cache.v[l], 12, 1.0f);
     ForwardBatch b(page_size);
     b.add_sequence({0}, ctx, bt.tables[0]);
     Tensor q = be.alloc(1, q_dim), out = be.alloc(1, q_dim);
     be.fill_random(q, 13, 1.0f);
     const AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, 0, page_size};
     KernelBenchRow r{"attention decode (one layer)", 1, ctx, 0, 0,
-                     kv_read_bytes(c, ctx + 1, cache.k[0].dtype) / c.n_layers};
-    r.us = kernel_us(be, [&] { be.attention(q, cache.k[0], cache.v[0], b.segments, b.positions, ap, out); });
+                     kv_read_bytes(c, ctx + 1, cache.k[l].dtype) / attention_layers(c)};
+    r.us = kernel_us(be, [&] { be.attention(q, cache.k[l], cache.v[l], b.segments, b.positions, ap, out); });
     r.gb_per_s = static_cast<double>(r.bytes) / (r.us * 1e-6) / 1e9;
     rep.kernels.push_back(r);
   }
@@ -212,8 +228,9 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       dev.release_cached_memory();  // the previous row's KV pages
       Batch bt(batch, ctx + B, o.page_size);
       StepCaches caches;
-      caches.target = target.alloc_cache(bt.n_pages(), o.page_size);
+      caches.target = target.alloc_cache(bt.n_pages(), o.page_size, batch, B);
       for (size_t l = 0; l < caches.target.k.size(); ++l) {
+        if (caches.target.k[l].empty()) continue;  // a linear-attention layer
         dev.fill_random(caches.target.k[l], 2 * l + 1, 1.0f);
         dev.fill_random(caches.target.v[l], 2 * l + 2, 1.0f);
       }
@@ -225,7 +242,9 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         }
       }
       const int64_t kv_resident = kv_bytes(caches.target) + kv_bytes(caches.draft);
-      const DType kv_dtype = caches.target.k[0].dtype;
+      DType kv_dtype = DType::BF16;
+      for (const Tensor& k : caches.target.k)
+        if (!k.empty()) kv_dtype = k.dtype;
       // `batch` sequences with `ctx` tokens cached (and, with a draft, their context), pending
       // token b, each taking whole steps: the decode loop's records, as the scheduler plans them.
       std::vector<Sequence> seqs(static_cast<size_t>(batch));
@@ -236,6 +255,7 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         s.pages = bt.tables[static_cast<size_t>(b)];
         s.pending = b % tc.n_vocab;
         s.max_tokens = 1 << 30;
+        s.state_slot = target.is_hybrid() ? b : -1;
       }
       auto plan_of = [&](int rows) {
         StepPlan plan;
@@ -291,7 +311,8 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       StepRunner plain(m, caches, /*speculative=*/false, SpecSampling::Match, /*graphs=*/false);
       add_row("plain",
               [&](const std::vector<int>* routed) {
-                return target.weight_bytes_per_step(routed) + batch * kv_read_bytes(tc, ctx + 1, kv_dtype);
+                return target.weight_bytes_per_step(routed) +
+                       batch * (kv_read_bytes(tc, ctx + 1, kv_dtype) + state_bytes_per_step(tc));
               },
               plain, 1);
       if (!draft) continue;
@@ -302,7 +323,7 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
       add_row("dflash",
               [&](const std::vector<int>* routed) {
                 return target.weight_bytes_per_step(routed) + draft->weight_bytes_per_step() +
-                       batch * (kv_read_bytes(tc, ctx + B, kv_dtype) +
+                       batch * (kv_read_bytes(tc, ctx + B, kv_dtype) + state_bytes_per_step(tc) +
                                 kv_read_bytes(draft->config().layers, ctx + B, kv_dtype));
               },
               dflash, B);
@@ -316,7 +337,7 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
         dev.release_cached_memory();
         Batch bt(batch, prompt + 1, o.page_size);
         StepCaches caches;
-        caches.target = target.alloc_cache(bt.n_pages(), o.page_size);
+        caches.target = target.alloc_cache(bt.n_pages(), o.page_size, batch, B);
         if (draft) caches.draft = draft->alloc_cache(bt.n_pages(), o.page_size);
         StepRunner runner(m, caches, /*speculative=*/draft != nullptr, SpecSampling::Match, /*graphs=*/false);
         std::vector<Sequence> seqs(static_cast<size_t>(batch));
@@ -332,6 +353,7 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
             s.n_prompt = prompt;
             s.pages = bt.tables[static_cast<size_t>(b)];
             s.max_tokens = 1;
+            s.state_slot = target.is_hybrid() ? b : -1;
           }
           steps = 0;
           for (size_t next = 0; next < seqs.size();) {
@@ -373,6 +395,7 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
     caches.target = target.alloc_cache(bt.n_pages(), o.page_size);
     StepRunner runner(m, caches, /*speculative=*/false, SpecSampling::Match, /*graphs=*/false);
     Sequence s;
+    s.state_slot = target.is_hybrid() ? 0 : -1;
     s.tokens.assign(static_cast<size_t>(o.contexts[0]), 0);
     s.n_prompt = s.n_cached = o.contexts[0];
     s.pages = bt.tables[0];

@@ -30,18 +30,23 @@ static TensorInfo row_slice(const TensorInfo& t, int64_t first, int64_t n) {
   return f;
 }
 
-// A 1-D checkpoint tensor as float32 on the device, plus `offset` (1 for Qwen3.5's zero-centred
-// norms, which scale by 1 + weight: added in float32, as transformers does).
-static Tensor upload_f32(Backend& be, const TensorInfo& t, float offset = 0.0f) {
+// A 1-D checkpoint tensor as float32 on the device.
+static Tensor upload_f32(Backend& be, const TensorInfo& t) {
   std::vector<float> w(static_cast<size_t>(t.n_elements()));
   convert_to_f32(t.dtype, t.data, w.data(), w.size());
-  for (float& x : w) x += offset;
   return be.upload_host_f32(w.data(), 1, static_cast<int64_t>(w.size()));
 }
 
+// Qwen3.5's zero-centred norms scale by 1 + weight: added in float32 as transformers does, then
+// held in the activation type (exact on the CPU; rounded to bf16 on the GPU, whose norm kernels
+// read bf16 weights).
 Tensor load_norm(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& name, int64_t n) {
   const TensorInfo& t = s.get(name, {n});
-  return c.zero_centred_norms ? upload_f32(be, t, 1.0f) : be.upload({&t});
+  if (!c.zero_centred_norms) return be.upload({&t});
+  std::vector<float> w(static_cast<size_t>(n));
+  convert_to_f32(t.dtype, t.data, w.data(), w.size());
+  for (float& x : w) x += 1.0f;
+  return be.upload_host(w.data(), 1, n);
 }
 
 // Qwen3.5's gated attention: q_proj holds [query | gate] per head; the q/k/v weight takes the

@@ -99,6 +99,13 @@ class CudaBackend final : public Backend {
                      const std::vector<int32_t>& positions, const AttentionParams& p, Tensor& out) override;
   void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
            MoeScratch* scratch) override;  // cuda_moe_ops.cpp
+  // Qwen3.5 (cuda_hybrid_ops.cpp)
+  bool has_gated_delta_net() const override { return true; }
+  void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,
+                       RecurrentCache& cache, int layer, const std::vector<RecurrentSegment>& segments,
+                       Tensor& out) override;
+  void sigmoid_mul(Tensor& x, const Tensor& gate) override;
+  void add_sigmoid_scaled(Tensor& acc, const Tensor& y, const Tensor& gate) override;
   void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) override;
   std::vector<int32_t> argmax_rows(const Tensor& x) override;
   Tensor alloc_ids(int64_t n) override { return alloc_as(n, 1, DType::I32); }

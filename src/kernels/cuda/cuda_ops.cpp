@@ -13,7 +13,7 @@ namespace {
 // The head size and RoPE table the rotating kernels take.
 void check_rope(int head_dim, const std::vector<float>& inv_freq) {
   check(head_dim % 2 == 0 && head_dim <= 256, "cuda backend: head_dim ", head_dim, " is not supported (even, <= 256)");
-  check(static_cast<int>(inv_freq.size()) == head_dim / 2, "cuda backend: rope table size mismatch");
+  check(!inv_freq.empty() && static_cast<int>(inv_freq.size()) <= head_dim / 2, "cuda backend: rope table size mismatch");
 }
 
 void check_slots(const std::vector<int32_t>& slots, const Tensor& cache) {
@@ -178,7 +178,7 @@ void CudaBackend::head_norm_rope(Tensor& x, int n_heads, int head_dim, const Ten
   const int32_t* d_positions = staging_.stage(positions);
   staging_.launch([&](cudaStream_t s) {
     launch_head_norm_rope(mat(x), n_heads, head_dim, bf16_or_null(norm_weight), eps, d_positions,
-                          device_inv_freq(inv_freq), s);
+                          device_inv_freq(inv_freq), static_cast<int>(inv_freq.size()), s);
   });
 }
 
@@ -193,7 +193,8 @@ void CudaBackend::qkv_rope_kv_write(Tensor& qkv, int n_heads, int n_kv_heads, in
   const int32_t* d_slots = staging_.stage(slots);
   staging_.launch([&](cudaStream_t s) {
     launch_qkv_rope_kv_write(mat(qkv), n_heads, n_kv_heads, head_dim, bf16_or_null(q_norm), bf16_or_null(k_norm), eps,
-                             d_positions, device_inv_freq(inv_freq), mat(k_cache), mat(v_cache), d_slots, s);
+                             d_positions, device_inv_freq(inv_freq), static_cast<int>(inv_freq.size()), mat(k_cache),
+                             mat(v_cache), d_slots, s);
   });
 }
 
@@ -213,6 +214,7 @@ void CudaBackend::kv_rope_write_layers(Tensor& kv, int n_kv_heads, int head_dim,
     return Backend::kv_rope_write_layers(kv, n_kv_heads, head_dim, k_norms, eps, positions, inv_freq, k_caches,
                                          v_caches, slots);
   check_rope(head_dim, inv_freq);
+  check(static_cast<int>(inv_freq.size()) * 2 == head_dim, "cuda backend: kv_rope_write_layers rotates whole heads");
   check(static_cast<int64_t>(positions.size()) == kv.rows && static_cast<int64_t>(slots.size()) == kv.rows,
         "cuda backend: one position and one slot per kv row");
   check_slots(slots, k_caches[0]);

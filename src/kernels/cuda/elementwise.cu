@@ -132,13 +132,13 @@ __global__ void __launch_bounds__(kRowThreads)
 constexpr int kMaxPairsPerLane = 4;  // head_dim <= 256
 
 // One warp normalizes and rotates one head of head_dim values read from src:
-// lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ... . The
+// lane l owns the rotation pairs (i, i + half) for i = l, l + 32, ... (half = head_dim / 2, or
+// less with partial rotary: the dimensions from 2 * half on are only normalized). The
 // result goes to dst (may alias src) and, when dst2 is set, also to dst2. The
 // sum of squares goes in rope_math.cuh's order: lane l sums piece l.
-__device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16* dst2, int head_dim,
+__device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16* dst2, int head_dim, int half,
                                                const bf16* norm_w, float eps, float pos, const float* inv_freq,
                                                int lane) {
-  const int half = head_dim / 2;
   float a[kMaxPairsPerLane], b[kMaxPairsPerLane];
 #pragma unroll
   for (int p = 0; p < kMaxPairsPerLane; ++p) {
@@ -175,24 +175,30 @@ __device__ __forceinline__ void norm_rope_head(const bf16* src, bf16* dst, bf16*
       st(dst2 + i + half, b[p]);
     }
   }
+  for (int i = 2 * half + lane; i < head_dim; i += 32) {  // partial rotary: the rest is only normalized
+    float v = ld(src + i);
+    if (norm_w) v = __fmul_rn(ld(norm_w + i), __fmul_rn(v, scale));
+    st(dst + i, v);
+    if (dst2) st(dst2 + i, v);
+  }
 }
 
 // One warp per (row, head).
-__global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int head_dim, const bf16* norm_w,
+__global__ void head_norm_rope_kernel(bf16* x, int64_t stride, int n_heads, int head_dim, int half, const bf16* norm_w,
                                       float eps, const int32_t* positions, const float* inv_freq, int64_t n_items) {
   pdl_begin();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (item >= n_items) return;
   const int64_t row = item / n_heads;
   bf16* v = x + row * stride + (item % n_heads) * head_dim;
-  norm_rope_head(v, v, nullptr, head_dim, norm_w, eps, static_cast<float>(positions[row]), inv_freq,
+  norm_rope_head(v, v, nullptr, head_dim, half, norm_w, eps, static_cast<float>(positions[row]), inv_freq,
                  threadIdx.x % 32);
 }
 
 // One warp per (row, q or k head): q heads as head_norm_rope_kernel; a k head
 // is normalized, rotated and written to the cache together with its v head.
 __global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads, int n_kv_heads, int head_dim,
-                                         const bf16* q_norm, const bf16* k_norm, float eps, const int32_t* positions,
+                                         int half, const bf16* q_norm, const bf16* k_norm, float eps, const int32_t* positions,
                                          const float* inv_freq, bf16* kc, int64_t kc_stride, bf16* vc,
                                          int64_t vc_stride, const int32_t* slots, int64_t n_items) {
   pdl_begin();
@@ -205,14 +211,14 @@ __global__ void qkv_rope_kv_write_kernel(bf16* qkv, int64_t stride, int n_heads,
   bf16* x = qkv + row * stride;
   if (head < n_heads) {
     bf16* v = x + static_cast<int64_t>(head) * head_dim;
-    norm_rope_head(v, v, nullptr, head_dim, q_norm, eps, pos, inv_freq, lane);
+    norm_rope_head(v, v, nullptr, head_dim, half, q_norm, eps, pos, inv_freq, lane);
     return;
   }
   const int kvh = head - n_heads;
   const int64_t slot = slots[row], q_dim = static_cast<int64_t>(n_heads) * head_dim,
                 kv_dim = static_cast<int64_t>(n_kv_heads) * head_dim, off = static_cast<int64_t>(kvh) * head_dim;
   bf16* k = x + q_dim + off;
-  norm_rope_head(k, k, kc + slot * kc_stride + off, head_dim, k_norm, eps, pos, inv_freq, lane);
+  norm_rope_head(k, k, kc + slot * kc_stride + off, head_dim, half, k_norm, eps, pos, inv_freq, lane);
   const bf16* v = x + q_dim + kv_dim + off;
   for (int i = lane; i < head_dim; i += 32) vc[slot * vc_stride + off + i] = v[i];
 }
@@ -229,7 +235,7 @@ __global__ void kv_rope_write_layers_kernel(bf16* kv, int64_t stride, int n_kv_h
   const int64_t row = item / n_kv_heads, kv_dim = static_cast<int64_t>(n_kv_heads) * head_dim;
   const int64_t off = static_cast<int64_t>(item % n_kv_heads) * head_dim, slot = slots[row];
   bf16* k = kv + row * stride + l * 2 * kv_dim + off;
-  norm_rope_head(k, k, layers.k_cache[l] + slot * layers.k_stride + off, head_dim, layers.k_norm[l], eps,
+  norm_rope_head(k, k, layers.k_cache[l] + slot * layers.k_stride + off, head_dim, head_dim / 2, layers.k_norm[l], eps,
                  static_cast<float>(positions[row]), inv_freq, lane);
   const bf16* v = k + kv_dim;
   for (int i = lane; i < head_dim; i += 32) layers.v_cache[l][slot * layers.v_stride + off + i] = v[i];
@@ -453,22 +459,22 @@ void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_o
 }
 
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
-                           const float* inv_freq, cudaStream_t s) {
+                           const float* inv_freq, int rot_half, cudaStream_t s) {
   const int64_t n_items = x.rows * n_heads;
   if (n_items == 0) return;
   constexpr int kWarps = 4;
   launch(head_norm_rope_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s,
-         x.data, x.stride, n_heads, head_dim, norm_w, eps, positions, inv_freq, n_items);
+         x.data, x.stride, n_heads, head_dim, rot_half, norm_w, eps, positions, inv_freq, n_items);
 }
 
 void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim, const bf16* q_norm,
                               const bf16* k_norm, float eps, const int32_t* positions, const float* inv_freq,
-                              Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s) {
+                              int rot_half, Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s) {
   const int64_t n_items = qkv.rows * (n_heads + n_kv_heads);
   if (n_items == 0) return;
   constexpr int kWarps = 4;
   launch(qkv_rope_kv_write_kernel, static_cast<unsigned>((n_items + kWarps - 1) / kWarps), 32 * kWarps, s,
-         qkv.data, qkv.stride, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, positions, inv_freq,
+         qkv.data, qkv.stride, n_heads, n_kv_heads, head_dim, rot_half, q_norm, k_norm, eps, positions, inv_freq,
          k_cache.data, k_cache.stride, v_cache.data, v_cache.stride, slots, n_items);
 }
 

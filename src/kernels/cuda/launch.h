@@ -44,15 +44,16 @@ void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_o
                          cudaStream_t s, const Mat& capture = Mat{nullptr, 0, 0, 0});
 bool add_rms_norm_captures(const Rows& residual, const Mat& delta, const Rows& residual_out, const bf16* w,
                            const Mat& out, const Mat& capture);
-// In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE.
+// In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE of the leading
+// 2 * rot_half dimensions (rot_half = head_dim / 2 unless the model rotates partially).
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,
-                           const float* inv_freq, cudaStream_t s);
+                           const float* inv_freq, int rot_half, cudaStream_t s);
 // qkv = [q | k | v] heads: q and k heads get launch_head_norm_rope's treatment
 // in place (with q_norm / k_norm, either may be null), then k and v rows go to
 // cache rows slots[r], as launch_kv_write: three launches in one.
 void launch_qkv_rope_kv_write(Mat qkv, int n_heads, int n_kv_heads, int head_dim, const bf16* q_norm,
                               const bf16* k_norm, float eps, const int32_t* positions, const float* inv_freq,
-                              Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s);
+                              int rot_half, Mat k_cache, Mat v_cache, const int32_t* slots, cudaStream_t s);
 // launch_qkv_rope_kv_write with no query heads for up to kMaxKvLayers layers at once: kv = [k | v]
 // of layer 0, [k | v] of layer 1, ...; k_norm[l] may be null.
 constexpr int kMaxKvLayers = 8;

@@ -1,0 +1,43 @@
+// Launches of gated_delta_net.cu: Qwen3.5's Gated DeltaNet and the sigmoid gates of its layers.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/launch.h"
+
+namespace dflash::cuda {
+
+struct GdnShape {
+  int n_k_heads, n_v_heads, k_dim, v_dim, conv_kernel;
+  __host__ __device__ int64_t value_dim() const { return int64_t{n_v_heads} * v_dim; }
+  __host__ __device__ int64_t conv_dim() const { return 2 * int64_t{n_k_heads} * k_dim + value_dim(); }
+  __host__ __device__ int64_t tape_width() const { return conv_dim() + 2 * int64_t{n_v_heads}; }
+};
+
+// One sequence of a call (RecurrentSegment), staged as kSegFields ints in this order;
+// scratch_first: its first row in the convolution's output (its tape rows, then its new rows).
+struct GdnSegment {
+  int32_t first_row, n_rows, slot, replay, scratch_first;
+  bool fresh, commit;
+};
+constexpr int kSegFields = 7;
+
+// Whether the kernels take this shape (v_dim divides 256, k_dim * v_dim <= 16384, kernel 2..16).
+bool gdn_shape_supported(const GdnShape& p);
+
+// proj [rows, conv_dim + value_dim + 2 n_v] -> out [rows, value_dim] (Backend::gated_delta_net);
+// x: float scratch of sum(replay + n_rows) rows of tape_width columns. The states (conv_state
+// [slots, (kernel - 1) * conv_dim], state [slots, n_v * k_dim * v_dim], tape [slots, tape_rows *
+// tape_width]) are float32.
+void launch_gated_delta_net(const Mat& proj, const bf16* conv_w, const float* a_log, const float* dt_bias,
+                            const bf16* norm_w, float eps, const GdnShape& p, const int32_t* segs, int n_segs,
+                            float* conv_state, float* state, float* tape, int tape_rows, float* x, int64_t x_stride,
+                            Mat out, cudaStream_t s);
+// x *= sigmoid(gate), elementwise.
+void launch_sigmoid_mul(Mat x, const Mat& gate, cudaStream_t s);
+// acc[r] += sigmoid(gate[r, 0]) * y[r].
+void launch_add_sigmoid_scaled(Mat acc, const Mat& y, const Mat& gate, cudaStream_t s);
+
+}  // namespace dflash::cuda

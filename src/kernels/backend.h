@@ -299,10 +299,12 @@ class Backend {
   // softplus(a + dt_bias); per value head h (key head h / (n_v / n_k)): S = exp(g) S,
   // S += k (beta (v - S^T k))^T, o = S^T q; out[r] = rmsnorm(o) * norm * silu(z) per head.
   // commit=false leaves the slot as it was after the replay and puts the rows on its tape.
+  // scratch (optional): F32 working memory of proj.rows + segments * tape_rows rows of
+  // tape_width() columns, which a caller running many layers allocates once.
   virtual bool has_gated_delta_net() const { return false; }
   virtual void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,
                                RecurrentCache& cache, int layer, const std::vector<RecurrentSegment>& segments,
-                               Tensor& out) {
+                               Tensor& out, Tensor* scratch = nullptr) {
     throw Error(name() + " backend: Gated DeltaNet (Qwen3.5) layers are not implemented");
   }
   // x *= sigmoid(gate), elementwise (gated attention output).

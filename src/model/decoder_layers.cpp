@@ -190,12 +190,13 @@ static const Tensor* opt(const Tensor& t) { return t.empty() ? nullptr : &t; }
 // Scratch of the layer kinds a stack holds, sized for its rows.
 struct StackScratch {
   Tensor h, qkv, attn, delta, gate_up, act;
-  Tensor proj, core;                         // Gated DeltaNet layers
+  Tensor proj, core, gdn;                    // Gated DeltaNet layers
   Tensor shared_gate_up, shared_act, shared_y, shared_gate;  // shared experts
   MoeScratch moe;
 };
 
-static StackScratch stack_scratch(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers, int64_t n) {
+static StackScratch stack_scratch(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
+                                  const StackInputs& in, int64_t n) {
   const int64_t q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   bool attention = false, linear = false, dense = false, shared = false;
   for (const LayerWeights& w : layers) {
@@ -215,6 +216,9 @@ static StackScratch stack_scratch(Backend& be, const ModelConfig& c, const std::
     const LinearAttentionConfig& l = c.linear;
     t.proj = be.alloc(n, l.conv_dim() + l.value_dim() + 2 * l.n_v_heads);
     t.core = be.alloc(n, l.value_dim());
+    if (in.recurrent && in.cache)
+      t.gdn = be.alloc_f32(n + static_cast<int64_t>(in.recurrent->size()) * in.cache->recurrent.tape_rows,
+                           l.conv_dim() + 2 * l.n_v_heads);
   }
   if (dense) {  // dense layers' MLP scratch (a stack of routed layers only has none)
     t.gate_up = be.alloc(n, 2 * int64_t{c.n_ff});
@@ -241,7 +245,8 @@ static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w
     const LinearAttentionConfig& lc = c.linear;
     check(in.recurrent, "a Gated DeltaNet layer needs each sequence's recurrent state (ForwardBatch::recurrent)");
     const LinearAttentionParams lp{lc.n_k_heads, lc.n_v_heads, lc.k_dim, lc.v_dim, lc.conv_kernel, c.rms_norm_eps};
-    be.gated_delta_net(t.proj, w.linear, lp, in.cache->recurrent, static_cast<int>(l), *in.recurrent, t.core);
+    be.gated_delta_net(t.proj, w.linear, lp, in.cache->recurrent, static_cast<int>(l), *in.recurrent, t.core,
+                       t.gdn.empty() ? nullptr : &t.gdn);
     be.matmul(t.core, w.linear_out, nullptr, t.delta);
     return;
   }
@@ -261,7 +266,7 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   StackInputs in = in_;
   in.inv_freq = &inv_freq;
   const int64_t n = x.rows;
-  StackScratch t = stack_scratch(be, c, layers, n);
+  StackScratch t = stack_scratch(be, c, layers, in, n);
   Tensor& h = t.h;
   Tensor& delta = t.delta;
   // The residual stream (float32: the layers' outputs add up unrounded) alternates between x

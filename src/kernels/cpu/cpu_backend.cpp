@@ -329,7 +329,7 @@ class CpuBackend final : public Backend {
   bool has_gated_delta_net() const override { return true; }
   void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,
                        RecurrentCache& cache, int layer, const std::vector<RecurrentSegment>& segments,
-                       Tensor& out) override {
+                       Tensor& out, Tensor*) override {
     cpu_gated_delta_net(proj, w, p, cache, layer, segments, out);
   }
 

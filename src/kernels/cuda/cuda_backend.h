@@ -103,7 +103,7 @@ class CudaBackend final : public Backend {
   bool has_gated_delta_net() const override { return true; }
   void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,
                        RecurrentCache& cache, int layer, const std::vector<RecurrentSegment>& segments,
-                       Tensor& out) override;
+                       Tensor& out, Tensor* scratch) override;
   void sigmoid_mul(Tensor& x, const Tensor& gate) override;
   void add_sigmoid_scaled(Tensor& acc, const Tensor& y, const Tensor& gate) override;
   void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) override;

@@ -8,7 +8,7 @@ namespace dflash::cuda {
 
 void CudaBackend::gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,
                                   RecurrentCache& cache, int layer, const std::vector<RecurrentSegment>& segments,
-                                  Tensor& out) {
+                                  Tensor& out, Tensor* scratch) {
   const GdnShape shape{p.n_k_heads, p.n_v_heads, p.k_dim, p.v_dim, p.conv_kernel};
   check(gdn_shape_supported(shape), "cuda backend: Gated DeltaNet shape (key heads ", p.n_k_heads, ", value heads ",
         p.n_v_heads, ", dims ", p.k_dim, "x", p.v_dim, ", kernel ", p.conv_kernel, ") is not supported");
@@ -40,7 +40,11 @@ void CudaBackend::gated_delta_net(const Tensor& proj, const LinearAttentionWeigh
     scratch_rows += cache.tape_rows + s.n_rows;
   }
   if (segments.empty()) return;
-  Tensor x = alloc_f32(scratch_rows, W);
+  // A graph's temporaries are not reused within it: a stack of layers passes one scratch.
+  Tensor x = scratch && scratch->dtype == DType::F32 && scratch->rows >= scratch_rows && scratch->cols == W &&
+                     scratch->contiguous()
+                 ? *scratch
+                 : alloc_f32(scratch_rows, W);
   const int32_t* d_segs = staging_.stage(segs);
   const int n_segs = static_cast<int>(segments.size());
   staging_.launch(

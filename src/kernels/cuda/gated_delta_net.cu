@@ -1,8 +1,8 @@
-// Qwen3.5's Gated DeltaNet (Backend::gated_delta_net) and the gates around its layers, in two
+// Qwen3.5's Gated DeltaNet (Backend::gated_delta_net) and the gates around its layers, in three
 // kernels per layer: the causal convolution (one thread per channel and sequence: the
 // convolution window of a channel is shared by the value heads of its key head, so it is updated
-// apart from them), then the recurrence (one block per value head and sequence, the state
-// [k_dim, v_dim] in registers for the whole segment). Both walk a segment's tape rows first,
+// apart from them), the recurrence (one warp per value head, 8 state columns and sequence, the
+// state in registers for the whole segment), the gated norm. The first two walk a segment's tape rows first,
 // then its new rows, token by token: a row gives the same bits decoded alone, verified in a block
 // or replayed from the tape. Roundings to bf16 follow transformers in bf16 (the convolution's
 // output, beta, the core output and the gated norm's steps).
@@ -16,8 +16,9 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kConvThreads = 128;
-constexpr int kRecThreads = 256;
-constexpr int kMaxStatePerThread = 64;  // k_dim * v_dim <= 64 * 256 (with v_dim | 256)
+constexpr int kRecThreads = 128;   // 4 independent warps
+constexpr int kCols = 8;           // state columns per warp
+constexpr int kRowsPerLane = 8;    // k_dim <= 256
 constexpr int kMaxConvWindow = 15;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -89,132 +90,128 @@ __global__ void gdn_conv_kernel(const bf16* proj, int64_t proj_stride, const bf1
   if (seg.commit) store_window();
 }
 
-// Sum over the block (kRecThreads threads), the same order for every call; every thread gets it.
-__device__ __forceinline__ float block_sum(float v, float* red) {
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float s = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kRecThreads / 32; ++w) s += red[w];
-  return s;
-}
-
-// One block per (value head, segment). Thread t holds state column j = t % v_dim, rows
-// i = g, g + G, ... (g = t / v_dim, G = kRecThreads / v_dim).
+// One warp per (value head, group of kCols state columns, segment), no block-level
+// synchronization: lane l holds rows l, l + 32, ... of the group's columns of S [k_dim, v_dim]
+// for the whole segment, and every sum over rows is a butterfly. Columns of S evolve
+// independently (each needs only q, k, its v, beta and the decay), so a head's columns spread
+// over several warps; the gated norm, which needs a head's whole output, runs after
+// (gdn_gated_norm_kernel). out receives the core output rounded to bf16 (as transformers rounds it).
 __global__ void __launch_bounds__(kRecThreads)
-    gdn_recurrent_kernel(const float* x, int64_t x_stride, const bf16* proj, int64_t proj_stride, GdnShape p,
-                         const float* a_log, const float* dt_bias, const bf16* norm_w, float eps, const int32_t* segs,
-                         float* state, bf16* out, int64_t out_stride) {
+    gdn_recurrent_kernel(const float* x, int64_t x_stride, GdnShape p, const float* a_log, const float* dt_bias,
+                         const int32_t* segs, float* state, bf16* out, int64_t out_stride, int n_items) {
   pdl_begin();
-  extern __shared__ float smem[];
-  const int dk = p.k_dim, dv = p.v_dim, h = blockIdx.x, ratio = p.n_v_heads / p.n_k_heads;
+  const int item = blockIdx.x * (kRecThreads / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (item >= n_items) return;
   const GdnSegment seg = segment(segs, blockIdx.y);
-  float* q = smem;              // [dk]
-  float* k = q + dk;            // [dk]
-  float* v = k + dk;            // [dv]
-  float* delta = v + dv;        // [dv]
-  const int G = kRecThreads / dv;
-  float* part = delta + dv;     // [G][dv]
-  float* red = part + G * dv;   // [kRecThreads / 32]
-  float* scalars = red + kRecThreads / 32;  // beta, decay
-  const int t = threadIdx.x, g = t / dv, j = t % dv;
-  const bool holder = g < G;
-  const int M = (dk + G - 1) / G;
+  const int dk = p.k_dim, dv = p.v_dim, groups = (dv + kCols - 1) / kCols;
+  const int h = item / groups, j0 = (item % groups) * kCols, ratio = p.n_v_heads / p.n_k_heads, kh = h / ratio;
   float* S_mem = state + seg.slot * (int64_t{p.n_v_heads} * dk * dv) + int64_t{h} * dk * dv;
-  float S[kMaxStatePerThread];
+  // A lane's 8 columns of a row lie together: two 16-byte accesses when v_dim allows.
+  const bool vec = dv % kCols == 0;
+  float S[kRowsPerLane][kCols];
 #pragma unroll
-  for (int m = 0; m < kMaxStatePerThread; ++m) {
-    const int i = g + G * m;
-    S[m] = holder && m < M && i < dk && !seg.fresh ? S_mem[int64_t{i} * dv + j] : 0.0f;
+  for (int m = 0; m < kRowsPerLane; ++m) {
+    const int i = lane + 32 * m;
+    const float* src = S_mem + int64_t{i} * dv + j0;
+    if (vec && i < dk && !seg.fresh) {
+      const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
+      S[m][0] = lo.x, S[m][1] = lo.y, S[m][2] = lo.z, S[m][3] = lo.w;
+      S[m][4] = hi.x, S[m][5] = hi.y, S[m][6] = hi.z, S[m][7] = hi.w;
+      continue;
+    }
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) S[m][c] = i < dk && j0 + c < dv && !seg.fresh ? src[c] : 0.0f;
   }
   auto store_state = [&] {
 #pragma unroll
-    for (int m = 0; m < kMaxStatePerThread; ++m) {
-      const int i = g + G * m;
-      if (holder && m < M && i < dk) S_mem[int64_t{i} * dv + j] = S[m];
+    for (int m = 0; m < kRowsPerLane; ++m) {
+      const int i = lane + 32 * m;
+      float* dst = S_mem + int64_t{i} * dv + j0;
+      if (vec && i < dk) {
+        *reinterpret_cast<float4*>(dst) = make_float4(S[m][0], S[m][1], S[m][2], S[m][3]);
+        *reinterpret_cast<float4*>(dst + 4) = make_float4(S[m][4], S[m][5], S[m][6], S[m][7]);
+        continue;
+      }
+#pragma unroll
+      for (int c = 0; c < kCols; ++c)
+        if (i < dk && j0 + c < dv) dst[c] = S[m][c];
     }
   };
   const int64_t key_dim = int64_t{p.n_k_heads} * dk, C = p.conv_dim();
-  const int kh = h / ratio;
   const float a_log_h = a_log[h], dt_bias_h = dt_bias[h], q_scale = rsqrtf(static_cast<float>(dk));
   const int total = seg.replay + seg.n_rows;
   if (!seg.commit && seg.replay == 0 && seg.fresh) store_state();  // zeros: the slot's committed state
   for (int r = 0; r < total; ++r) {
     const float* row = x + (seg.scratch_first + r) * x_stride;
-    // q and k of the key head, L2-normalized (q also scaled); v of this head.
-    const float qv = t < dk ? row[kh * dk + t] : 0.0f;
-    const float kv = t < dk ? row[key_dim + kh * dk + t] : 0.0f;
-    const float q_inv = rsqrtf(block_sum(qv * qv, red) + 1e-6f);
-    const float k_inv = rsqrtf(block_sum(kv * kv, red) + 1e-6f);
-    if (t < dk) {
-      q[t] = qv * q_inv * q_scale;
-      k[t] = kv * k_inv;
-    }
-    if (t < dv) v[t] = row[2 * key_dim + int64_t{h} * dv + t];
-    if (t == 0) {
-      scalars[0] = round_bf(sigmoid(row[C + h]));
-      scalars[1] = expf(-expf(a_log_h) * softplus(row[C + p.n_v_heads + h] + dt_bias_h));
-    }
-    __syncthreads();
-    const float beta = scalars[0], decay = scalars[1];
-    float mem = 0.0f;
-    if (holder) {
+    float q[kRowsPerLane], k[kRowsPerLane], qq = 0.0f, kk = 0.0f;
 #pragma unroll
-      for (int m = 0; m < kMaxStatePerThread; ++m) {
-        const int i = g + G * m;
-        if (m < M && i < dk) {
-          S[m] *= decay;
-          mem += S[m] * k[i];
-        }
-      }
-      part[g * dv + j] = mem;
+    for (int m = 0; m < kRowsPerLane; ++m) {
+      const int i = lane + 32 * m;
+      q[m] = i < dk ? row[kh * dk + i] : 0.0f;
+      k[m] = i < dk ? row[key_dim + kh * dk + i] : 0.0f;
+      qq += q[m] * q[m];
+      kk += k[m] * k[m];
     }
-    __syncthreads();
-    if (t < dv) {
-      float s = 0.0f;
-      for (int gg = 0; gg < G; ++gg) s += part[gg * dv + t];
-      delta[t] = (v[t] - s) * beta;
-    }
-    __syncthreads();
-    const bool output = r >= seg.replay;
-    float o = 0.0f;
-    if (holder) {
-      const float d = delta[j];
+    const float q_inv = rsqrtf(warp_sum(qq) + 1e-6f) * q_scale, k_inv = rsqrtf(warp_sum(kk) + 1e-6f);
 #pragma unroll
-      for (int m = 0; m < kMaxStatePerThread; ++m) {
-        const int i = g + G * m;
-        if (m < M && i < dk) {
-          S[m] += k[i] * d;
-          o += S[m] * q[i];
-        }
+    for (int m = 0; m < kRowsPerLane; ++m) {
+      q[m] *= q_inv;
+      k[m] *= k_inv;
+    }
+    const float beta = round_bf(sigmoid(row[C + h]));
+    const float decay = expf(-expf(a_log_h) * softplus(row[C + p.n_v_heads + h] + dt_bias_h));
+    float mem[kCols], o[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      mem[c] = 0.0f;
+#pragma unroll
+      for (int m = 0; m < kRowsPerLane; ++m) {
+        S[m][c] *= decay;
+        mem[c] += S[m][c] * k[m];
       }
-      if (output) part[g * dv + j] = o;
+    }
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float v = j0 + c < dv ? row[2 * key_dim + int64_t{h} * dv + j0 + c] : 0.0f;
+      const float delta = (v - warp_sum(mem[c])) * beta;
+      o[c] = 0.0f;
+#pragma unroll
+      for (int m = 0; m < kRowsPerLane; ++m) {
+        S[m][c] += k[m] * delta;
+        o[c] += S[m][c] * q[m];
+      }
     }
     if (r + 1 == seg.replay && !seg.commit) store_state();  // the committed state, before the new rows
-    if (!output) {
-      __syncthreads();
-      continue;
+    if (r < seg.replay) continue;
+    const int64_t prow = seg.first_row + (r - seg.replay);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float core = warp_sum(o[c]);
+      if (lane == c && j0 + c < dv)
+        *reinterpret_cast<__nv_bfloat16*>(out + prow * out_stride + int64_t{h} * dv + j0 + c) = __float2bfloat16(core);
     }
-    __syncthreads();
-    float core = 0.0f;
-    if (t < dv) {
-      for (int gg = 0; gg < G; ++gg) core += part[gg * dv + t];
-      core = round_bf(core);
-    }
-    const float scale = rsqrtf(block_sum(t < dv ? core * core : 0.0f, red) / static_cast<float>(dv) + eps);
-    if (t < dv) {
-      const int64_t prow = seg.first_row + (r - seg.replay);
-      const float z = ld(proj + prow * proj_stride + C + int64_t{h} * dv + t);
-      const float normed = round_bf(ld(norm_w + t) * round_bf(core * scale));
-      const float y = normed * silu(z);
-      *reinterpret_cast<__nv_bfloat16*>(out + prow * out_stride + int64_t{h} * dv + t) = __float2bfloat16(y);
-    }
-    __syncthreads();
   }
   if (seg.commit) store_state();
+}
+
+// In place on the core output (one warp per row and value head): rmsnorm(o) * norm * silu(z)
+// with transformers' roundings in bf16.
+__global__ void gdn_gated_norm_kernel(bf16* out, int64_t out_stride, const bf16* proj, int64_t proj_stride,
+                                      GdnShape p, const bf16* norm_w, float eps, int64_t n_items) {
+  pdl_begin();
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (item >= n_items) return;
+  const int lane = threadIdx.x % 32, dv = p.v_dim;
+  const int64_t row = item / p.n_v_heads, h = item % p.n_v_heads;
+  bf16* o = out + row * out_stride + h * dv;
+  const bf16* z = proj + row * proj_stride + p.conv_dim() + h * dv;
+  float ss = 0.0f;
+  for (int j = lane; j < dv; j += 32) ss += ld(o + j) * ld(o + j);
+  const float scale = rsqrtf(warp_sum(ss) / static_cast<float>(dv) + eps);
+  for (int j = lane; j < dv; j += 32) {
+    const float normed = round_bf(ld(norm_w + j) * round_bf(ld(o + j) * scale));
+    *reinterpret_cast<__nv_bfloat16*>(o + j) = __float2bfloat16(normed * silu(ld(z + j)));
+  }
 }
 
 __global__ void sigmoid_mul_kernel(bf16* x, int64_t x_stride, const bf16* gate, int64_t gate_stride, int64_t cols) {
@@ -240,8 +237,7 @@ __global__ void add_sigmoid_scaled_kernel(bf16* acc, int64_t acc_stride, const b
 }  // namespace
 
 bool gdn_shape_supported(const GdnShape& p) {
-  return p.n_k_heads > 0 && p.n_v_heads % p.n_k_heads == 0 && p.v_dim <= kRecThreads && kRecThreads % p.v_dim == 0 &&
-         p.k_dim <= kRecThreads && p.k_dim * p.v_dim <= kMaxStatePerThread * kRecThreads &&
+  return p.n_k_heads > 0 && p.n_v_heads % p.n_k_heads == 0 && p.k_dim <= 32 * kRowsPerLane && p.v_dim <= 1024 &&
          p.conv_kernel >= 2 && p.conv_kernel <= kMaxConvWindow + 1;
 }
 
@@ -253,11 +249,13 @@ void launch_gated_delta_net(const Mat& proj, const bf16* conv_w, const float* a_
   const unsigned conv_blocks = static_cast<unsigned>((p.tape_width() + kConvThreads - 1) / kConvThreads);
   launch(gdn_conv_kernel, dim3(conv_blocks, n_segs), kConvThreads, s, static_cast<const bf16*>(proj.data),
          proj.stride, conv_w, p, segs, conv_state, tape, tape_rows, x, x_stride);
-  const int G = kRecThreads / p.v_dim;
-  const size_t smem = sizeof(float) * (2 * p.k_dim + 2 * p.v_dim + G * p.v_dim + kRecThreads / 32 + 2);
-  launch_smem(gdn_recurrent_kernel, dim3(p.n_v_heads, n_segs), kRecThreads, smem, s, static_cast<const float*>(x),
-              x_stride, static_cast<const bf16*>(proj.data), proj.stride, p, a_log, dt_bias, norm_w, eps, segs, state,
-              out.data, out.stride);
+  const int items = p.n_v_heads * ((p.v_dim + kCols - 1) / kCols), warps = kRecThreads / 32;
+  launch(gdn_recurrent_kernel, dim3((items + warps - 1) / warps, n_segs), kRecThreads, s, static_cast<const float*>(x),
+         x_stride, p, a_log, dt_bias, segs, state, out.data, out.stride, items);
+  const int64_t norm_items = out.rows * p.n_v_heads;
+  if (norm_items == 0) return;
+  launch(gdn_gated_norm_kernel, static_cast<unsigned>((norm_items + 3) / 4), 128, s, out.data, out.stride,
+         static_cast<const bf16*>(proj.data), proj.stride, p, norm_w, eps, norm_items);
 }
 
 void launch_sigmoid_mul(Mat x, const Mat& gate, cudaStream_t s) {

@@ -24,7 +24,7 @@ struct GdnSegment {
 };
 constexpr int kSegFields = 7;
 
-// Whether the kernels take this shape (v_dim divides 256, k_dim * v_dim <= 16384, kernel 2..16).
+// Whether the kernels take this shape (k_dim <= 256, v_dim <= 1024, kernel 2..16).
 bool gdn_shape_supported(const GdnShape& p);
 
 // proj [rows, conv_dim + value_dim + 2 n_v] -> out [rows, value_dim] (Backend::gated_delta_net);

@@ -408,6 +408,30 @@ TEST_F(CudaEngine, ServingWithGraphsEqualsGenerateOpByOp) {
   }
 }
 
+// Qwen3.5 with CUDA graphs: fixed-shape steps restage each sequence's state slot, tape replay
+// and commit flag; served 4 at a time (graph replays, varying accepted lengths) and generated alone,
+// the tokens equal op-by-op generation.
+TEST_F(CudaEngine, HybridServingWithGraphsEqualsGenerateOpByOp) {
+  const auto meta = test::read_json(fixture("expected/trained_qwen3_5.json"));
+  auto prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+  prompts.resize(8);
+  EngineOptions eo;
+  eo.device = "cuda";
+  eo.batch_invariant = true;
+  eo.model_dir = fixture(meta["target"].get<std::string>());
+  eo.draft_dir = fixture(meta["draft"].get<std::string>());
+  for (auto mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+    ServingStats st;
+    const auto got = serve_all(eo, mode, 4, prompts, 64, &st);
+    const char* what = mode == SpeculativeMode::None ? "plain" : "dflash";
+    EXPECT_GT(st.graph_steps, 0) << what;
+    const auto expected = generate_all(eo, mode, prompts, 64);
+    for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], expected[i]) << what << ", prompt " << i;
+    std::printf("[trained_qwen3_5] serving %s: %lld of %lld steps replayed graphs\n", what,
+                static_cast<long long>(st.graph_steps), static_cast<long long>(st.n_steps));
+  }
+}
+
 // DFlash serving of 8 at once (128 verification rows): graphs replay exactly what op-by-op steps
 // compute; by default some prompts differ from one-at-a-time plain generation (cuBLASLt rows; the
 // count is printed), in batch-invariant mode none does.

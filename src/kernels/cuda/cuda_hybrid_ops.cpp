@@ -1,6 +1,8 @@
 // Qwen3.5's layers on the GPU: Gated DeltaNet over the sequences' state slots (gated_delta_net.cu),
 // the attention output gate and the shared expert's gate. Segment metadata is staged like the
 // attention's, so the launches are capturable and restageable in graphs.
+#include <algorithm>
+
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/gated_delta_net.h"
 
@@ -27,6 +29,7 @@ void CudaBackend::gated_delta_net(const Tensor& proj, const LinearAttentionWeigh
     check(t->dtype == DType::F32 && t->contiguous() && t->rows == cache.n_slots, "cuda backend: recurrent state layout");
   std::vector<int32_t> segs;
   int64_t scratch_rows = 0;
+  int max_rows = 0;
   for (const RecurrentSegment& s : segments) {
     check(s.slot >= 0 && s.slot < cache.n_slots, "cuda backend: state slot ", s.slot, " out of range");
     check(s.first_row >= 0 && s.n_rows >= 0 && s.first_row + s.n_rows <= proj.rows,
@@ -38,6 +41,7 @@ void CudaBackend::gated_delta_net(const Tensor& proj, const LinearAttentionWeigh
     segs.insert(segs.end(), {s.first_row, s.n_rows, s.slot, s.replay, static_cast<int32_t>(scratch_rows), s.fresh ? 1 : 0,
                              s.commit ? 1 : 0});
     scratch_rows += cache.tape_rows + s.n_rows;
+    max_rows = std::max(max_rows, cache.tape_rows + s.n_rows);
   }
   if (segments.empty()) return;
   // A graph's temporaries are not reused within it: a stack of layers passes one scratch.
@@ -51,9 +55,9 @@ void CudaBackend::gated_delta_net(const Tensor& proj, const LinearAttentionWeigh
       [&](cudaStream_t st) {
         launch_gated_delta_net(mat(proj), static_cast<const bf16*>(w.conv.data), w.a_log.f32(), w.dt_bias.f32(),
                                static_cast<const bf16*>(w.norm.data), p.eps, shape, d_segs, n_segs, conv.f32(),
-                               state.f32(), tape.f32(), cache.tape_rows, x.f32(), x.stride, mat(out), st);
+                               state.f32(), tape.f32(), cache.tape_rows, max_rows, x.f32(), x.stride, mat(out), st);
       },
-      n_segs);
+      int64_t{n_segs} << 32 | max_rows);
 }
 
 void CudaBackend::sigmoid_mul(Tensor& x, const Tensor& gate) {

@@ -20,6 +20,7 @@ constexpr int kRecThreads = 128;   // 4 independent warps
 constexpr int kCols = 8;           // state columns per warp
 constexpr int kRowsPerLane = 8;    // k_dim <= 256
 constexpr int kMaxConvWindow = 15;
+constexpr int kConvRows = 16;      // rows per block of the convolution
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -31,63 +32,84 @@ __device__ __forceinline__ GdnSegment segment(const int32_t* segs, int i) {
   return {s[0], s[1], s[2], s[3], s[4], s[5] != 0, s[6] != 0};
 }
 
-// Per channel c of [q|k|v] (c < conv_dim): the convolution of the tape rows then the new rows,
-// SiLU, into x; channels conv_dim.. copy b and a. The window is stored back after the tape rows
-// (commit = false: the new rows then go to the tape) or after all rows.
+// A segment's raw input of channel c (of tape_width: [q|k|v] then b, a) at row t of its tape rows
+// followed by its new rows; t < 0 reads the convolution window before them (zeros when fresh).
+struct RawRows {
+  const bf16* proj;
+  int64_t proj_stride, C, W, value_dim;
+  const float* window;  // the slot's (K - 1) x C window
+  const float* tape;    // the slot's tape rows
+  GdnSegment seg;
+  int K;
+  __device__ __forceinline__ float operator()(int t, int64_t c) const {
+    if (t < 0) return seg.fresh ? 0.0f : window[(K - 1 + t) * C + c];
+    if (t < seg.replay) return tape[t * W + c];
+    return ld(proj + (seg.first_row + t - seg.replay) * proj_stride + (c < C ? c : value_dim + c));
+  }
+};
+
+__device__ __forceinline__ RawRows raw_rows(const bf16* proj, int64_t proj_stride, const GdnShape& p,
+                                            const GdnSegment& seg, const float* conv_state, const float* tape,
+                                            int tape_rows) {
+  const int64_t C = p.conv_dim(), W = p.tape_width();
+  return {proj, proj_stride, C, W, p.value_dim(), conv_state + seg.slot * ((p.conv_kernel - 1) * C),
+          tape + seg.slot * (tape_rows * W), seg, p.conv_kernel};
+}
+
+// x rows of a segment (its tape rows, then its new rows), kConvRows rows per blockIdx.z, one
+// thread per channel: the causal convolution of q|k|v, SiLU; b and a copied. Rows are
+// independent, so a prompt's rows convolve in parallel; the window and the tape change after
+// (gdn_conv_state_kernel).
 __global__ void gdn_conv_kernel(const bf16* proj, int64_t proj_stride, const bf16* conv_w, GdnShape p,
-                                const int32_t* segs, float* conv_state, float* tape, int tape_rows, float* x,
-                                int64_t x_stride) {
+                                const int32_t* segs, const float* conv_state, const float* tape, int tape_rows,
+                                float* x, int64_t x_stride) {
   pdl_begin();
   const GdnSegment seg = segment(segs, blockIdx.y);
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t C = p.conv_dim(), W = p.tape_width();
-  if (c >= W) return;
-  float* slot_tape = tape + seg.slot * (tape_rows * W);
+  const RawRows raw = raw_rows(proj, proj_stride, p, seg, conv_state, tape, tape_rows);
+  const int total = seg.replay + seg.n_rows, t0 = blockIdx.z * kConvRows, t1 = min(total, t0 + kConvRows);
+  if (c >= raw.W || t0 >= total) return;
   float* xr = x + seg.scratch_first * x_stride;
-  if (c >= C) {  // b or a: from the tape, then from the projection
-    const int64_t col = p.value_dim() + c;  // proj = [q|k|v | z | b | a]
-    for (int t = 0; t < seg.replay; ++t) xr[t * x_stride + c] = slot_tape[t * W + c];
-    for (int i = 0; i < seg.n_rows; ++i) {
-      const float v = ld(proj + (seg.first_row + i) * proj_stride + col);
-      xr[(seg.replay + i) * x_stride + c] = v;
-      if (!seg.commit) slot_tape[i * W + c] = v;
-    }
+  if (c >= raw.C) {
+    for (int t = t0; t < t1; ++t) xr[t * x_stride + c] = raw(t, c);
     return;
   }
   const int K = p.conv_kernel;
-  float w[kMaxConvWindow + 1], win[kMaxConvWindow];
+  float w[kMaxConvWindow + 1];
 #pragma unroll
   for (int j = 0; j <= kMaxConvWindow; ++j) w[j] = j < K ? ld(conv_w + c * K + j) : 0.0f;
-  float* cs = conv_state + seg.slot * ((K - 1) * C);
-#pragma unroll
-  for (int j = 0; j < kMaxConvWindow; ++j) win[j] = j < K - 1 && !seg.fresh ? cs[j * C + c] : 0.0f;
-  auto step = [&](float raw, float* out) {
+  for (int t = t0; t < t1; ++t) {
     float acc = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kMaxConvWindow; ++j)
-      if (j < K - 1) acc += w[j] * win[j];
-    acc += w[K - 1] * raw;
-    *out = round_bf(silu(round_bf(acc)));
-#pragma unroll
-    for (int j = 0; j < kMaxConvWindow - 1; ++j)
-      if (j + 1 < K - 1) win[j] = win[j + 1];
-#pragma unroll
-    for (int j = 0; j < kMaxConvWindow; ++j)
-      if (j == K - 2) win[j] = raw;
-  };
-  auto store_window = [&] {
-#pragma unroll
-    for (int j = 0; j < kMaxConvWindow; ++j)
-      if (j < K - 1) cs[j * C + c] = win[j];
-  };
-  for (int t = 0; t < seg.replay; ++t) step(slot_tape[t * W + c], xr + t * x_stride + c);
-  if (!seg.commit) store_window();
-  for (int i = 0; i < seg.n_rows; ++i) {
-    const float raw = ld(proj + (seg.first_row + i) * proj_stride + c);
-    step(raw, xr + (seg.replay + i) * x_stride + c);
-    if (!seg.commit) slot_tape[i * W + c] = raw;
+    for (int j = 0; j <= kMaxConvWindow; ++j)
+      if (j < K) acc += w[j] * raw(t - (K - 1) + j, c);
+    xr[t * x_stride + c] = round_bf(silu(round_bf(acc)));
   }
-  if (seg.commit) store_window();
+}
+
+// After gdn_conv_kernel, per segment and channel: the window becomes the last K - 1 raw inputs of
+// the committed rows (the tape rows, and with commit the new rows too); without commit the new
+// rows go to the tape (read before written: one thread per channel).
+__global__ void gdn_conv_state_kernel(const bf16* proj, int64_t proj_stride, GdnShape p, const int32_t* segs,
+                                      float* conv_state, float* tape, int tape_rows) {
+  pdl_begin();
+  const GdnSegment seg = segment(segs, blockIdx.y);
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const RawRows raw = raw_rows(proj, proj_stride, p, seg, conv_state, tape, tape_rows);
+  if (c >= raw.W) return;
+  if (c < raw.C) {
+    const int K = p.conv_kernel, upto = seg.replay + (seg.commit ? seg.n_rows : 0);
+    float win[kMaxConvWindow];
+#pragma unroll
+    for (int j = 0; j < kMaxConvWindow; ++j) win[j] = j < K - 1 ? raw(upto - (K - 1) + j, c) : 0.0f;
+    float* cs = conv_state + seg.slot * ((K - 1) * raw.C);
+#pragma unroll
+    for (int j = 0; j < kMaxConvWindow; ++j)
+      if (j < K - 1) cs[j * raw.C + c] = win[j];
+  }
+  if (seg.commit) return;
+  float* slot_tape = tape + seg.slot * (tape_rows * raw.W);
+  for (int i = 0; i < seg.n_rows; ++i) slot_tape[i * raw.W + c] = raw(seg.replay + i, c);
 }
 
 // One warp per (value head, group of kCols state columns, segment), no block-level
@@ -141,14 +163,34 @@ __global__ void __launch_bounds__(kRecThreads)
   const float a_log_h = a_log[h], dt_bias_h = dt_bias[h], q_scale = rsqrtf(static_cast<float>(dk));
   const int total = seg.replay + seg.n_rows;
   if (!seg.commit && seg.replay == 0 && seg.fresh) store_state();  // zeros: the slot's committed state
-  for (int r = 0; r < total; ++r) {
+  // Row r's inputs (q and k rows of this lane, the group's v, b, a), loaded one row ahead so that
+  // their latency overlaps the previous row's arithmetic.
+  struct Inputs {
+    float q[kRowsPerLane], k[kRowsPerLane], v[kCols], b, a;
+  };
+  auto load = [&](int r, Inputs& in) {
     const float* row = x + (seg.scratch_first + r) * x_stride;
-    float q[kRowsPerLane], k[kRowsPerLane], qq = 0.0f, kk = 0.0f;
 #pragma unroll
     for (int m = 0; m < kRowsPerLane; ++m) {
       const int i = lane + 32 * m;
-      q[m] = i < dk ? row[kh * dk + i] : 0.0f;
-      k[m] = i < dk ? row[key_dim + kh * dk + i] : 0.0f;
+      in.q[m] = i < dk ? row[kh * dk + i] : 0.0f;
+      in.k[m] = i < dk ? row[key_dim + kh * dk + i] : 0.0f;
+    }
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) in.v[c] = j0 + c < dv ? row[2 * key_dim + int64_t{h} * dv + j0 + c] : 0.0f;
+    in.b = row[C + h];
+    in.a = row[C + p.n_v_heads + h];
+  };
+  Inputs next;
+  if (total > 0) load(0, next);
+  for (int r = 0; r < total; ++r) {
+    const Inputs cur = next;
+    if (r + 1 < total) load(r + 1, next);
+    float q[kRowsPerLane], k[kRowsPerLane], qq = 0.0f, kk = 0.0f;
+#pragma unroll
+    for (int m = 0; m < kRowsPerLane; ++m) {
+      q[m] = cur.q[m];
+      k[m] = cur.k[m];
       qq += q[m] * q[m];
       kk += k[m] * k[m];
     }
@@ -158,8 +200,8 @@ __global__ void __launch_bounds__(kRecThreads)
       q[m] *= q_inv;
       k[m] *= k_inv;
     }
-    const float beta = round_bf(sigmoid(row[C + h]));
-    const float decay = expf(-expf(a_log_h) * softplus(row[C + p.n_v_heads + h] + dt_bias_h));
+    const float beta = round_bf(sigmoid(cur.b));
+    const float decay = expf(-expf(a_log_h) * softplus(cur.a + dt_bias_h));
     float mem[kCols], o[kCols];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
@@ -172,8 +214,7 @@ __global__ void __launch_bounds__(kRecThreads)
     }
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
-      const float v = j0 + c < dv ? row[2 * key_dim + int64_t{h} * dv + j0 + c] : 0.0f;
-      const float delta = (v - warp_sum(mem[c])) * beta;
+      const float delta = (cur.v[c] - warp_sum(mem[c])) * beta;
       o[c] = 0.0f;
 #pragma unroll
       for (int m = 0; m < kRowsPerLane; ++m) {
@@ -243,12 +284,16 @@ bool gdn_shape_supported(const GdnShape& p) {
 
 void launch_gated_delta_net(const Mat& proj, const bf16* conv_w, const float* a_log, const float* dt_bias,
                             const bf16* norm_w, float eps, const GdnShape& p, const int32_t* segs, int n_segs,
-                            float* conv_state, float* state, float* tape, int tape_rows, float* x, int64_t x_stride,
-                            Mat out, cudaStream_t s) {
+                            float* conv_state, float* state, float* tape, int tape_rows, int max_rows, float* x,
+                            int64_t x_stride, Mat out, cudaStream_t s) {
   if (n_segs == 0) return;
   const unsigned conv_blocks = static_cast<unsigned>((p.tape_width() + kConvThreads - 1) / kConvThreads);
-  launch(gdn_conv_kernel, dim3(conv_blocks, n_segs), kConvThreads, s, static_cast<const bf16*>(proj.data),
-         proj.stride, conv_w, p, segs, conv_state, tape, tape_rows, x, x_stride);
+  const unsigned row_blocks = static_cast<unsigned>((max_rows + kConvRows - 1) / kConvRows);
+  launch(gdn_conv_kernel, dim3(conv_blocks, n_segs, row_blocks), kConvThreads, s, static_cast<const bf16*>(proj.data),
+         proj.stride, conv_w, p, segs, static_cast<const float*>(conv_state), static_cast<const float*>(tape),
+         tape_rows, x, x_stride);
+  launch(gdn_conv_state_kernel, dim3(conv_blocks, n_segs), kConvThreads, s, static_cast<const bf16*>(proj.data),
+         proj.stride, p, segs, conv_state, tape, tape_rows);
   const int items = p.n_v_heads * ((p.v_dim + kCols - 1) / kCols), warps = kRecThreads / 32;
   launch(gdn_recurrent_kernel, dim3((items + warps - 1) / warps, n_segs), kRecThreads, s, static_cast<const float*>(x),
          x_stride, p, a_log, dt_bias, segs, state, out.data, out.stride, items);

@@ -28,13 +28,14 @@ constexpr int kSegFields = 7;
 bool gdn_shape_supported(const GdnShape& p);
 
 // proj [rows, conv_dim + value_dim + 2 n_v] -> out [rows, value_dim] (Backend::gated_delta_net);
-// x: float scratch of sum(replay + n_rows) rows of tape_width columns. The states (conv_state
+// x: float scratch of sum(replay + n_rows) rows of tape_width columns; max_rows: a bound on a
+// segment's replay + n_rows (the convolution's grid; fixed for graphs). The states (conv_state
 // [slots, (kernel - 1) * conv_dim], state [slots, n_v * k_dim * v_dim], tape [slots, tape_rows *
 // tape_width]) are float32.
 void launch_gated_delta_net(const Mat& proj, const bf16* conv_w, const float* a_log, const float* dt_bias,
                             const bf16* norm_w, float eps, const GdnShape& p, const int32_t* segs, int n_segs,
-                            float* conv_state, float* state, float* tape, int tape_rows, float* x, int64_t x_stride,
-                            Mat out, cudaStream_t s);
+                            float* conv_state, float* state, float* tape, int tape_rows, int max_rows, float* x,
+                            int64_t x_stride, Mat out, cudaStream_t s);
 // x *= sigmoid(gate), elementwise.
 void launch_sigmoid_mul(Mat x, const Mat& gate, cudaStream_t s);
 // acc[r] += sigmoid(gate[r, 0]) * y[r].

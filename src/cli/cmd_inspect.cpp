@@ -31,6 +31,7 @@ void print_layers(const ModelConfig& c) {
     std::printf(" (factor %g, low %g, high %g, original %lld)", c.rope.factor, c.rope.low_freq_factor,
                 c.rope.high_freq_factor, static_cast<long long>(c.rope.original_max_positions));
   }
+  if (c.rope.partial_rotary_factor < 1) std::printf(", rotating %d of %d dims", c.rotary_dim(), c.head_dim);
   std::printf("\nmax positions:      %d\n", c.max_positions);
   bool any_window = false;
   for (int w : c.sliding_window) any_window |= w > 0;
@@ -70,6 +71,17 @@ Command add_inspect(CLI::App& app) {
         std::printf("experts:            top %d of %d, %d features each, weights %s\n", c.moe.top_k, c.moe.n_experts,
                     c.moe.n_ff, c.moe.norm_topk_prob ? "renormalized" : "as routed");
         std::printf("routed layers:      %zu of %d (%s)\n", routed.size(), c.n_layers, join(routed).c_str());
+        if (c.moe.shared_n_ff > 0) std::printf("shared expert:      %d features, sigmoid-gated\n", c.moe.shared_n_ff);
+      }
+      if (c.hybrid()) {
+        std::vector<int> attention;
+        for (int i = 0; i < c.n_layers; ++i)
+          if (!c.is_linear_layer(i)) attention.push_back(i);
+        const LinearAttentionConfig& l = c.linear;
+        std::printf("gated attention:    layers %s (output gate, zero-centred norms)\n", join(attention).c_str());
+        std::printf("Gated DeltaNet:     %d layers, %d key / %d value heads of %d / %d, convolution %d\n",
+                    c.n_layers - static_cast<int>(attention.size()), l.n_k_heads, l.n_v_heads, l.k_dim, l.v_dim,
+                    l.conv_kernel);
       }
       const GenerationConfig g = load_generation_config(*dir);
       std::vector<int> eos(g.eos_token_ids.begin(), g.eos_token_ids.end());

@@ -106,11 +106,50 @@ double kernel_us(Backend& be, Op&& op) {
   return time_median_ms(be, 2, 10, [&] { be.replay_graph(g); }) * 1e3 / kCalls;
 }
 
+// A Gated DeltaNet layer's recurrence alone (convolution, state, gated norm; layer 0's weights)
+// over one sequence of m rows, and a gated attention layer's prefill attention over m rows: what a
+// hybrid target's prefill spends beside its products.
+void bench_gated_delta_net(Backend& be, TargetModel& target, int page_size, StepBenchReport& rep) {
+  const ModelConfig& c = target.config();
+  const LinearAttentionConfig& lc = c.linear;
+  const LinearAttentionParams lp{lc.n_k_heads, lc.n_v_heads, lc.k_dim, lc.v_dim, lc.conv_kernel, c.rms_norm_eps};
+  const LayerWeights& w = target.weights().layers[0];
+  const int64_t state_bytes = 4 * int64_t{lc.n_v_heads} * lc.k_dim * lc.v_dim;
+  for (int m : {1, 16, 512, 4096}) {
+    KvCache cache = target.alloc_cache((m + page_size - 1) / page_size, page_size, 1, 16);
+    Tensor proj = be.alloc(m, w.linear_in.rows), out = be.alloc(m, lc.value_dim());
+    be.fill_random(proj, 21, 1.0f);
+    const std::vector<RecurrentSegment> segs{{0, m, 0, /*fresh=*/true, 0, /*commit=*/true}};
+    KernelBenchRow r{"gated delta net (one layer)", m, 0, 0, 0, 2 * state_bytes};
+    r.us = kernel_us(be, [&] { be.gated_delta_net(proj, w.linear, lp, cache.recurrent, 0, segs, out); });
+    r.gb_per_s = static_cast<double>(r.bytes) / (r.us * 1e-6) / 1e9;
+    rep.kernels.push_back(r);
+    if (m < 512) continue;
+    size_t l = 0;  // the first attention layer
+    while (cache.k[l].empty()) ++l;
+    be.fill_random(cache.k[l], 11, 1.0f);
+    be.fill_random(cache.v[l], 12, 1.0f);
+    std::vector<int32_t> table(static_cast<size_t>((m + page_size - 1) / page_size));
+    for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(i);
+    ForwardBatch b(page_size);
+    b.add_sequence(std::vector<int32_t>(static_cast<size_t>(m), 0), 0, table);
+    const int64_t q_dim = int64_t{c.n_heads} * c.head_dim;
+    Tensor q = be.alloc(m, q_dim), o = be.alloc(m, q_dim);
+    be.fill_random(q, 13, 1.0f);
+    const AttentionParams ap{c.n_heads, c.n_kv_heads, c.head_dim, 0, page_size};
+    KernelBenchRow a{"attention prefill (one layer)", m, m, 0, 0, 0};
+    a.us = kernel_us(be, [&] { be.attention(q, cache.k[l], cache.v[l], b.segments, b.positions, ap, o); });
+    rep.kernels.push_back(a);
+  }
+}
+
 void bench_kernels(Backend& be, TargetModel& target, int page_size, StepBenchReport& rep) {
   const ModelConfig& c = target.config();
   const LayerWeights& l0 = target.weights().layers[0];
   const std::pair<const char*, const Tensor*> weights[] = {
-      {"qkv", &l0.qkv}, {"o", &l0.o}, {"gate_up", &l0.gate_up}, {"down", &l0.down}, {"lm_head", &target.weights().lm_head}};
+      {"qkv", &l0.qkv},         {"o", &l0.o},
+      {"linear_in", &l0.linear_in}, {"linear_out", &l0.linear_out},  // Gated DeltaNet layers
+      {"gate_up", &l0.gate_up}, {"down", &l0.down}, {"lm_head", &target.weights().lm_head}};
   for (int m : {1, 16, 32, 128}) {  // decode, a verification block, batch 32, prefill
     for (const auto& [name, w] : weights) {
       if (w->empty()) continue;  // a routed layer's dense MLP
@@ -134,6 +173,7 @@ void bench_kernels(Backend& be, TargetModel& target, int page_size, StepBenchRep
       rep.kernels.push_back(r);
     }
   }
+  if (l0.is_linear()) bench_gated_delta_net(be, target, page_size, rep);
   const int64_t q_dim = int64_t{c.n_heads} * c.head_dim;
   for (int ctx : {512, 2048}) {
     Batch bt(1, ctx + 1, page_size);

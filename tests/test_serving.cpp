@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -133,11 +134,14 @@ TEST(Serving, PreemptionWhenPagesRunOutLosesNothing) {
 
 // Qwen3.5: every running sequence keeps its own Gated DeltaNet state (a slot), verification
 // blocks fold in only their accepted rows, and a preempted sequence starts its state over.
+// (Under the sanitizers, DFLASH_TEST_LIGHT, only the preempting run.)
 TEST(Serving, HybridTargetRequestsEqualOneAtATimeAlsoWhenPreempted) {
-  expect_same_as_generate(trained_pair("trained_qwen3_5"), SpeculativeMode::DFlash, 40, 0, 8);
+  const bool light = std::getenv("DFLASH_TEST_LIGHT") && std::string(std::getenv("DFLASH_TEST_LIGHT")) == "1";
   int64_t preempted = 0;
   expect_same_as_generate(trained_pair("trained_qwen3_5"), SpeculativeMode::DFlash, 64, 24, 20, &preempted);
   EXPECT_GT(preempted, 0) << "the test meant to exercise preemption did not preempt";
+  if (light) return;
+  expect_same_as_generate(trained_pair("trained_qwen3_5"), SpeculativeMode::DFlash, 40, 0, 8);
   const SamplingParams sp{0.8f, 0, 0.95f, 4242};
   expect_same_as_generate(trained_pair("trained_qwen3_5"), SpeculativeMode::DFlash, 40, 0, 8, nullptr, &sp);
 }

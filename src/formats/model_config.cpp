@@ -144,15 +144,25 @@ void parse_layers(const Fields& f, ModelConfig& c, bool dense_mlp = true) {
   c.sliding_window.assign(c.n_layers, 0);
 }
 
+// `layer_types`: one string per layer, checked.
+std::vector<std::string> layer_types(const Fields& f, int n_layers) {
+  const json& types = f.raw("layer_types");
+  check(types.is_array() && static_cast<int>(types.size()) == n_layers, f.where(),
+        ": field 'layer_types' must list one type per layer (", n_layers, ")");
+  std::vector<std::string> out;
+  for (const json& t : types) {
+    check(t.is_string(), f.where(), ": field 'layer_types' must hold strings");
+    out.push_back(t.get<std::string>());
+  }
+  return out;
+}
+
 // Per-layer sliding windows from `layer_types` + `sliding_window`.
 void parse_windows(const Fields& f, ModelConfig& c) {
   if (!f.has("layer_types")) return;
-  const json& types = f.raw("layer_types");
-  check(types.is_array() && static_cast<int>(types.size()) == c.n_layers, f.where(),
-        ": field 'layer_types' must list one type per layer (", c.n_layers, ")");
+  const std::vector<std::string> types = layer_types(f, c.n_layers);
   for (int i = 0; i < c.n_layers; ++i) {
-    check(types[i].is_string(), f.where(), ": field 'layer_types' must hold strings");
-    const auto t = types[i].get<std::string>();
+    const std::string& t = types[static_cast<size_t>(i)];
     if (t == "sliding_attention") {
       c.sliding_window[i] = static_cast<int>(f.positive("sliding_window"));
     } else {
@@ -198,12 +208,9 @@ void parse_moe(const Fields& f, ModelConfig& c) {
 void parse_hybrid(const Fields& f, ModelConfig& c) {
   c.linear_layer.assign(static_cast<size_t>(c.n_layers), false);
   if (f.has("layer_types")) {
-    const json& types = f.raw("layer_types");
-    check(types.is_array() && static_cast<int>(types.size()) == c.n_layers, f.where(),
-          ": field 'layer_types' must list one type per layer (", c.n_layers, ")");
+    const std::vector<std::string> types = layer_types(f, c.n_layers);
     for (int i = 0; i < c.n_layers; ++i) {
-      check(types[i].is_string(), f.where(), ": field 'layer_types' must hold strings");
-      const auto t = types[i].get<std::string>();
+      const std::string& t = types[static_cast<size_t>(i)];
       check(t == "linear_attention" || t == "full_attention", f.where(), ": unsupported layer type '", t,
             "' in 'layer_types' (supported: linear_attention, full_attention)");
       c.linear_layer[static_cast<size_t>(i)] = t == "linear_attention";

@@ -13,8 +13,12 @@
 namespace {
 
 void check_layers(const dflash::ModelConfig& c) {
-  if (c.n_embd <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 || c.head_dim <= 0 || c.n_ff <= 0)
-    __builtin_trap();
+  if (c.n_embd <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 || c.head_dim <= 0) __builtin_trap();
+  // Every layer's MLP has a width: intermediate_size when dense, moe_intermediate_size when
+  // routed (a Qwen3.5-MoE config routes every layer and has no intermediate_size).
+  for (int i = 0; i < c.n_layers; ++i) {
+    if ((c.is_moe_layer(i) ? c.moe.n_ff : c.n_ff) <= 0) __builtin_trap();
+  }
   if (c.n_heads % c.n_kv_heads != 0 || c.head_dim % 2 != 0 || c.max_positions <= 0) __builtin_trap();
   if (static_cast<int>(c.sliding_window.size()) != c.n_layers) __builtin_trap();
   for (int w : c.sliding_window) {

@@ -12,7 +12,7 @@
 #
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
-# Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 tests logits sites bench bench-moe bench-qwen3_5 profile ab builds serving
+# Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 fixtures-qwen3_next tests logits sites bench bench-moe bench-qwen3_5 profile ab builds serving
 # serving-moe ttft sampling ncu ncu-decode graphs" (default: tests logits bench serving).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -99,23 +99,17 @@ add_tokenizer() { tar -xJf tests/fixtures/tokenizers/qwen3.tar.xz -C "$ckpt" && 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
 status=0
 
-if [[ $steps == *fixtures-moe* ]]; then
-  # The Qwen3-MoE test fixtures, written by transformers here (tests/fixtures keeps them; they come
-  # back as $out/fixtures_moe.tar.xz).
-  echo "== Qwen3-MoE fixtures =="
-  python3 tools/make_fixtures.py --out tests/fixtures --only "${FIXTURES_ONLY:-moe}" 2>&1 | tee "$out/fixtures_moe.txt" || status=1
-  tar -cJf "$out/fixtures_moe.tar.xz" tests/fixtures/targets/*moe* tests/fixtures/drafts/*moe* \
-    tests/fixtures/expected/*moe* || status=1
-fi
-
-if [[ $steps == *fixtures-qwen3_5* ]]; then
-  # The Qwen3.5 hybrid fixtures (tools/qwen3_5_fixtures.py); back as $out/fixtures_qwen3_5.tar.xz.
-  echo "== Qwen3.5 fixtures =="
-  python3 tools/make_fixtures.py --out tests/fixtures --only "${FIXTURES_ONLY:-qwen3_5}" 2>&1 |
-    tee "$out/fixtures_qwen3_5.txt" || status=1
-  tar -cJf "$out/fixtures_qwen3_5.tar.xz" tests/fixtures/targets/*qwen3_5* tests/fixtures/drafts/*qwen3_5* \
-    tests/fixtures/expected/*qwen3_5* || status=1
-fi
+# Test fixtures written by transformers here (tools/make_fixtures.py --only KIND); tests/fixtures
+# keeps them and they come back as $out/fixtures_KIND.tar.xz. KIND: moe (Qwen3-MoE), qwen3_5
+# (the Qwen3.5 hybrids), qwen3_next (Qwen3-Next); FIXTURES_ONLY overrides --only (e.g. moe-trained).
+for kind in moe qwen3_5 qwen3_next; do
+  [[ " $steps " == *" fixtures-$kind "* ]] || continue
+  echo "== $kind fixtures =="
+  python3 tools/make_fixtures.py --out tests/fixtures --only "${FIXTURES_ONLY:-$kind}" 2>&1 |
+    tee "$out/fixtures_$kind.txt" || status=1
+  tar -cJf "$out/fixtures_$kind.tar.xz" tests/fixtures/targets/*"$kind"* tests/fixtures/drafts/*"$kind"* \
+    tests/fixtures/expected/*"$kind"* || status=1
+done
 
 if [[ $steps == *tests* ]]; then
   echo "== CUDA kernel and engine tests =="

@@ -786,6 +786,7 @@ void CudaAttention::check_fused_qkv_attention(const std::vector<Seq>& seqs) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
                          ::testing::Values(AttnCase{32, 8, 128, 16, 0}, AttnCase{6, 2, 64, 16, 0},
                                            AttnCase{4, 4, 24, 7, 0}, AttnCase{8, 1, 256, 32, 0},
+                                           AttnCase{24, 4, 256, 16, 0},
                                            AttnCase{16, 4, 128, 16, 100}, AttnCase{12, 4, 96, 16, 0},
                                            AttnCase{32, 1, 64, 8, 0}),
                          [](const auto& info) {

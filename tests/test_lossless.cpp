@@ -68,7 +68,7 @@ INSTANTIATE_TEST_SUITE_P(Pairs, LosslessTest,
                          ::testing::Values("qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded",
                                            "trained_qwen3", "qwen3_moe_tied", "qwen3_moe_untied_bf16",
                                            "trained_qwen3_moe", "qwen3_5_tied", "qwen3_5_moe_untied_bf16",
-                                           "trained_qwen3_5"));
+                                           "trained_qwen3_5", "qwen3_next_untied"));
 
 TEST(LosslessTest, TrainedPairAcceptanceLengthsMatchReference) {
   const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));

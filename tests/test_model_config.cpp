@@ -224,6 +224,68 @@ TEST(ModelConfig, Qwen3_5ErrorsNameTheField) {
   expect_error(no_text, "text_config");
 }
 
+// Qwen3-Next-80B-A3B's config as the hub has it (flat: rope_theta and partial_rotary_factor at the
+// top, full_attention_interval).
+json qwen3_next() {
+  return json::parse(R"({
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+    "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "norm_topk_prob": true, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "rope_theta": 10000000, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+    "vocab_size": 151936, "max_position_embeddings": 262144, "hidden_act": "silu", "tie_word_embeddings": false})");
+}
+
+TEST(ModelConfig, Qwen3NextLayers) {
+  const ModelConfig c = parse_model_config(qwen3_next(), "cfg.json");
+  EXPECT_EQ(c.weight_prefix, "model.");
+  EXPECT_TRUE(c.hybrid() && c.attn_output_gate && c.zero_centred_norms && c.qk_norm);
+  EXPECT_TRUE(c.is_linear_layer(0) && !c.is_linear_layer(3) && c.is_linear_layer(46) && !c.is_linear_layer(47));
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_TRUE(c.is_moe_layer(0) && c.is_moe_layer(47));
+  EXPECT_TRUE(c.moe.norm_topk_prob);
+  EXPECT_EQ(c.moe.shared_n_ff, 512);
+  EXPECT_EQ(c.moe.top_k, 10);
+  // Dense layers where decoder_sparse_step and mlp_only_layers say so; the top-k as configured.
+  json j = qwen3_next();
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {5};
+  j["norm_topk_prob"] = false;
+  j["shared_expert_intermediate_size"] = 0;
+  const ModelConfig d = parse_model_config(j, "cfg.json");
+  EXPECT_FALSE(d.is_moe_layer(0));
+  EXPECT_TRUE(d.is_moe_layer(1) && d.is_moe_layer(3));
+  EXPECT_FALSE(d.is_moe_layer(5));
+  EXPECT_EQ(d.n_ff, 5120);
+  EXPECT_FALSE(d.moe.norm_topk_prob);
+  EXPECT_EQ(d.moe.shared_n_ff, 0);
+  // No experts: every layer dense.
+  j = qwen3_next();
+  j["num_experts"] = 0;
+  EXPECT_TRUE(parse_model_config(j, "cfg.json").moe_layer.empty());
+}
+
+TEST(ModelConfig, Qwen3NextErrorsNameTheField) {
+  json j = qwen3_next();
+  j["mlp_only_layers"] = {2};
+  j.erase("intermediate_size");
+  expect_error(j, "intermediate_size");  // a dense layer needs it
+  j = qwen3_next();
+  j["num_experts"] = -1;
+  expect_error(j, "num_experts");
+  j = qwen3_next();
+  j["shared_expert_intermediate_size"] = -4;
+  expect_error(j, "shared_expert_intermediate_size");
+  j = qwen3_next();
+  j["attention_bias"] = true;
+  expect_error(j, "attention_bias");
+  j = qwen3_next();
+  j.erase("linear_key_head_dim");
+  expect_error(j, "linear_key_head_dim");
+}
+
 TEST(DraftConfig, DefaultTargetLayerIdsRoundHalfToEven) {
   EXPECT_EQ(default_target_layer_ids(36, 5), (std::vector<int>{1, 9, 17, 25, 33}));
   EXPECT_EQ(default_target_layer_ids(36, 1), (std::vector<int>{18}));

@@ -183,5 +183,66 @@ TEST(ModelLoading, StackedExpertsEqualPerExpertTensors) {
   EXPECT_EQ(prefill_logits(dir.path(), ids), prefill_logits(src, ids));
 }
 
+// Qwen3-Next's fused linear-attention projections: in_proj_qkvz holds per key head g its q, k, then
+// the v and z rows of its value heads; in_proj_ba per key head the b rows of its value heads, then
+// their a rows. Qwen3.5's separate projections regrouped so (and the config renamed) load to the
+// same model: the same logits, bit for bit.
+TEST(ModelLoading, FusedQwen3NextProjectionsEqualQwen3_5Separate) {
+  const std::string src = test::fixture("targets/qwen3_5_tied");
+  const TensorStore store = TensorStore::open(src);
+  json cfg = test::read_json(src + "/config.json");
+  const int64_t nk = cfg["linear_num_key_heads"], nv = cfg["linear_num_value_heads"];
+  const int64_t dk = cfg["linear_key_head_dim"], dv = cfg["linear_value_head_dim"], r = nv / nk;
+  ASSERT_GT(r, 1);  // the interleaving of value heads is exercised
+  json header = json::object();
+  std::string data;
+  // Rows [first, first + n) of `t`.
+  auto rows = [&](const TensorInfo& t, int64_t first, int64_t n) {
+    const size_t row_bytes = static_cast<size_t>(t.shape[1]) * dtype_size(t.dtype);
+    data.append(reinterpret_cast<const char*>(t.data) + first * row_bytes, n * row_bytes);
+  };
+  auto close = [&](const std::string& name, const TensorInfo& like, int64_t n_rows, size_t begin) {
+    header[name] = {{"dtype", dtype_name(like.dtype)}, {"shape", {n_rows, like.shape[1]}},
+                    {"data_offsets", {begin, data.size()}}};
+  };
+  int fused = 0;
+  for (const auto& t : store.all()) {
+    const auto at = t.name.find("linear_attn.in_proj_");
+    if (at == std::string::npos) {
+      const size_t begin = data.size();
+      data.append(reinterpret_cast<const char*>(t.data), t.n_bytes);
+      header[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {begin, data.size()}}};
+      continue;
+    }
+    if (t.name.substr(at) != "linear_attn.in_proj_qkv.weight") continue;  // one fused pair per layer
+    const std::string p = t.name.substr(0, at) + "linear_attn.";
+    const TensorInfo &z = store.get(p + "in_proj_z.weight"), &b = store.get(p + "in_proj_b.weight"),
+                     &a = store.get(p + "in_proj_a.weight");
+    size_t begin = data.size();
+    for (int64_t g = 0; g < nk; ++g) {
+      rows(t, g * dk, dk);                          // q
+      rows(t, nk * dk + g * dk, dk);                // k
+      rows(t, 2 * nk * dk + g * r * dv, r * dv);    // v of value heads g * r ..
+      rows(z, g * r * dv, r * dv);                  // z of the same heads
+    }
+    close(p + "in_proj_qkvz.weight", t, 2 * nk * dk + 2 * nv * dv, begin);
+    begin = data.size();
+    for (int64_t g = 0; g < nk; ++g) {
+      rows(b, g * r, r);
+      rows(a, g * r, r);
+    }
+    close(p + "in_proj_ba.weight", b, 2 * nv, begin);
+    ++fused;
+  }
+  ASSERT_GE(fused, 2);
+  cfg["architectures"] = {"Qwen3NextForCausalLM"};
+  cfg["model_type"] = "qwen3_next";
+  test::TempDir dir;
+  test::write_file(dir.file("model.safetensors"), test::safetensors_bytes(header.dump(), data));
+  test::write_file(dir.file("config.json"), cfg.dump());
+  const std::vector<int32_t> ids = {5, 17, 200, 3, 99, 42, 7, 8, 1};
+  EXPECT_EQ(prefill_logits(dir.path(), ids), prefill_logits(src, ids));
+}
+
 }  // namespace
 }  // namespace dflash

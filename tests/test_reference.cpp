@@ -47,8 +47,10 @@ class ReferenceTest : public ::testing::TestWithParam<std::string> {
   }
   // The routed and hybrid targets' logits are held to 1e-5.
   double logits_tolerance() const {
-    return GetParam().find("moe") != std::string::npos || GetParam().find("qwen3_5") != std::string::npos ? 1e-5
-                                                                                                         : kTolerance;
+    const std::string& n = GetParam();
+    const bool held = n.find("moe") != std::string::npos || n.find("qwen3_5") != std::string::npos ||
+                      n.find("qwen3_next") != std::string::npos;
+    return held ? 1e-5 : kTolerance;
   }
 
   nlohmann::json meta_;
@@ -150,9 +152,9 @@ TEST_P(ReferenceTest, PlainGreedyMatchesReferenceTokens) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceTest,
                          ::testing::Values("qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded",
                                            "qwen3_moe_tied", "qwen3_moe_untied_bf16", "qwen3_5_tied",
-                                           "qwen3_5_moe_untied_bf16"));
+                                           "qwen3_5_moe_untied_bf16", "qwen3_next_untied"));
 
-// Qwen3.5: 200 steps of transformers' own incremental decoding (its cache: prefill, then one
+// Qwen3.5 and Qwen3-Next: 200 steps of transformers' own incremental decoding (its cache: prefill, then one
 // token a step), logits within 1e-5 at every step; the state carries the whole way.
 class HybridReferenceTest : public ReferenceTest {};
 
@@ -186,7 +188,8 @@ TEST_P(HybridReferenceTest, IncrementalDecodingMatchesTransformersFor200Steps) {
   EXPECT_LT(worst, 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HybridReferenceTest, ::testing::Values("qwen3_5_tied", "qwen3_5_moe_untied_bf16"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, HybridReferenceTest,
+                         ::testing::Values("qwen3_5_tied", "qwen3_5_moe_untied_bf16", "qwen3_next_untied"));
 
 }  // namespace
 }  // namespace dflash

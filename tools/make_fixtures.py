@@ -25,6 +25,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCa
                           Qwen3MoeForCausalLM)
 
 import qwen3_5_fixtures  # noqa: E402  (the Qwen3.5 hybrid fixtures: --only qwen3_5)
+import qwen3_next_fixtures  # noqa: E402  (the Qwen3-Next fixture: --only qwen3_next)
 
 ME = sys.modules[__name__]
 
@@ -356,7 +357,7 @@ def main():
     ap.add_argument("--target-steps", type=int, default=1500)
     ap.add_argument("--draft-steps", type=int, default=1500)
     ap.add_argument("--skip-trained", action="store_true")
-    ap.add_argument("--only", choices=["moe", "moe-trained", "qwen3_5", "qwen3_5-trained"],
+    ap.add_argument("--only", choices=["moe", "moe-trained", "qwen3_5", "qwen3_5-trained", "qwen3_next"],
                     help="write only these fixtures (moe-trained: the trained MoE pair), leaving the others as they are")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -372,6 +373,9 @@ def main():
         return
     if args.only in ("qwen3_5", "qwen3_5-trained"):
         qwen3_5_fixtures.write(ME, out, device, random.Random(4323), args, trained_only=args.only.endswith("trained"))
+        return
+    if args.only == "qwen3_next":
+        qwen3_next_fixtures.write(ME, out, device, random.Random(4325))
         return
     for sub in ("targets", "drafts", "expected"):
         shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
@@ -416,6 +420,7 @@ def main():
         good_pair(out, device, rng, args.target_steps, args.draft_steps)
     moe_fixtures(out, device, random.Random(4321), args)
     qwen3_5_fixtures.write(ME, out, device, random.Random(4323), args)
+    qwen3_next_fixtures.write(ME, out, device, random.Random(4325))
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     print(f"fixtures: {total / 1e6:.2f} MB under {out}", flush=True)
 

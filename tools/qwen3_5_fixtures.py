@@ -65,13 +65,14 @@ def use_f64_delta_rule(on):
 
 
 def check_f64_delta_rule():
-    """The float64 recurrence gives transformers' results (both of its forms)."""
+    """The float64 recurrence gives transformers' results (both of its forms, in every module
+    that ORIGINAL lists)."""
     torch.manual_seed(0)
     q, k = torch.randn(1, 9, 2, 8), torch.randn(1, 9, 2, 8)
     v, g, b = torch.randn(1, 9, 2, 4), -torch.rand(1, 9, 2), torch.rand(1, 9, 2)
     s0 = torch.randn(1, 2, 8, 4)
     ours, s_ours = recurrent_delta_rule_f64(q, k, v, g, b, s0, True, True)
-    for fn in ORIGINAL[q35]:
+    for fn in [fn for forms in ORIGINAL.values() for fn in forms]:
         theirs, s_theirs = fn(q, k, v, g=g, beta=b, initial_state=s0, output_final_state=True,
                               use_qk_l2norm_in_kernel=True)
         assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(s_ours.float(), s_theirs, atol=1e-5), fn

@@ -171,15 +171,8 @@ void parse_windows(const Fields& f, ModelConfig& c) {
   }
 }
 
-// Qwen3-MoE's routed MLP: which layers have it (decoder_sparse_step, mlp_only_layers) and its
-// shape. Keys of MoE variants this engine does not implement are refused by name.
-void parse_moe(const Fields& f, ModelConfig& c) {
-  for (const char* k : {"shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"}) {
-    check(!f.has(k) || (f.raw(k).is_number() && f.raw(k).get<double>() == 0), f.where(), ": field '", k,
-          "': shared experts are not supported");
-  }
-  check(!f.boolean("use_sliding_window", false), f.where(), ": use_sliding_window=true is not supported for Qwen3-MoE targets");
-  MoeConfig& m = c.moe;
+// The experts of a routed MLP: how many, how many a token takes, their width.
+void parse_experts(const Fields& f, MoeConfig& m) {
   // The hub's configs say num_experts; transformers 5 writes num_local_experts.
   const char* experts_key = f.has("num_experts") || !f.has("num_local_experts") ? "num_experts" : "num_local_experts";
   m.n_experts = static_cast<int>(f.positive(experts_key));
@@ -188,7 +181,11 @@ void parse_moe(const Fields& f, ModelConfig& c) {
   check(m.top_k <= m.n_experts && m.top_k <= 64, f.where(), ": field 'num_experts_per_tok' (", m.top_k,
         ") must be at most num_experts (", m.n_experts, ") and 64");
   m.n_ff = static_cast<int>(f.positive("moe_intermediate_size"));
-  m.norm_topk_prob = f.boolean("norm_topk_prob", false);
+}
+
+// Which layers are routed: every decoder_sparse_step-th, except mlp_only_layers (Qwen3-MoE,
+// Qwen3-Next).
+void sparse_layers(const Fields& f, ModelConfig& c) {
   const int64_t step = f.integer("decoder_sparse_step", 1);
   check(step >= 1 && step <= c.n_layers, f.where(), ": field 'decoder_sparse_step' must be in 1..num_hidden_layers, got ",
         step);
@@ -201,6 +198,19 @@ void parse_moe(const Fields& f, ModelConfig& c) {
       c.moe_layer[static_cast<size_t>(i)] = false;
     }
   }
+}
+
+// Qwen3-MoE's routed MLP: which layers have it (decoder_sparse_step, mlp_only_layers) and its
+// shape. Keys of MoE variants this engine does not implement are refused by name.
+void parse_moe(const Fields& f, ModelConfig& c) {
+  for (const char* k : {"shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"}) {
+    check(!f.has(k) || (f.raw(k).is_number() && f.raw(k).get<double>() == 0), f.where(), ": field '", k,
+          "': shared experts are not supported");
+  }
+  check(!f.boolean("use_sliding_window", false), f.where(), ": use_sliding_window=true is not supported for Qwen3-MoE targets");
+  parse_experts(f, c.moe);
+  c.moe.norm_topk_prob = f.boolean("norm_topk_prob", false);
+  sparse_layers(f, c);
 }
 
 // Qwen3.5: which layers are Gated DeltaNet (layer_types, else every full_attention_interval-th
@@ -241,15 +251,40 @@ void parse_hybrid(const Fields& f, ModelConfig& c) {
 // Qwen3.5-MoE: every layer routed (top-k always renormalized) plus a shared expert.
 void parse_hybrid_moe(const Fields& f, ModelConfig& c) {
   MoeConfig& m = c.moe;
-  m.n_experts = static_cast<int>(f.positive("num_experts"));
-  check(m.n_experts <= 4096, f.where(), ": field 'num_experts' is implausibly large: ", m.n_experts);
-  m.top_k = static_cast<int>(f.positive("num_experts_per_tok"));
-  check(m.top_k <= m.n_experts && m.top_k <= 64, f.where(), ": field 'num_experts_per_tok' (", m.top_k,
-        ") must be at most num_experts (", m.n_experts, ") and 64");
-  m.n_ff = static_cast<int>(f.positive("moe_intermediate_size"));
+  parse_experts(f, m);
   m.norm_topk_prob = true;
   m.shared_n_ff = static_cast<int>(f.positive("shared_expert_intermediate_size"));
   c.moe_layer.assign(static_cast<size_t>(c.n_layers), true);
+}
+
+// Qwen3-Next: the Qwen3.5 layers (its linear attention's projections fused per key head, which
+// the loader splits) with routed layers chosen as Qwen3-MoE chooses them, top-k renormalized
+// when norm_topk_prob (default true), an optional shared expert, dense layers of
+// intermediate_size. num_experts 0: every layer dense.
+ModelConfig parse_qwen3_next(const Fields& f, const std::string& arch, const std::string& where) {
+  ModelConfig c;
+  c.architecture = arch;
+  c.n_vocab = static_cast<int>(f.positive("vocab_size"));
+  parse_layers(f, c, /*dense_mlp=*/false);
+  c.tie_embeddings = f.boolean("tie_word_embeddings", false);
+  check(!f.boolean("attention_bias", false), where, ": attention_bias=true is not supported for Qwen3-Next targets");
+  parse_hybrid(f, c);
+  const int64_t n_experts = f.integer("num_experts", 0);
+  check(n_experts >= 0, where, ": field 'num_experts' must not be negative, got ", n_experts);
+  if (n_experts > 0) {
+    MoeConfig& m = c.moe;
+    parse_experts(f, m);
+    m.norm_topk_prob = f.boolean("norm_topk_prob", true);
+    const int64_t shared = f.integer("shared_expert_intermediate_size", 0);
+    check(shared >= 0 && shared <= (int64_t{1} << 20), where,
+          ": field 'shared_expert_intermediate_size' must be in 0..2^20, got ", shared);
+    m.shared_n_ff = static_cast<int>(shared);
+    sparse_layers(f, c);
+  }
+  bool dense = false;
+  for (int i = 0; i < c.n_layers; ++i) dense = dense || !c.is_moe_layer(i);
+  if (dense) c.n_ff = static_cast<int>(f.positive("intermediate_size"));
+  return c;
 }
 
 }  // namespace
@@ -295,6 +330,7 @@ ModelConfig parse_model_config(const json& j, const std::string& where) {
   Fields f(j, where);
   const std::string arch = first_architecture(f);
   if (is_qwen3_5(arch)) return parse_qwen3_5(f, arch, where);
+  if (arch == "Qwen3NextForCausalLM") return parse_qwen3_next(f, arch, where);
   ModelConfig c;
   c.architecture = arch;
   const bool moe = c.architecture == "Qwen3MoeForCausalLM";
@@ -302,7 +338,8 @@ ModelConfig parse_model_config(const json& j, const std::string& where) {
   const bool llama = c.architecture == "LlamaForCausalLM";
   check(qwen3 || llama, where, ": unsupported architecture '", c.architecture,
         "' (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM, Qwen3_5ForCausalLM, "
-        "Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration)");
+        "Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration, "
+        "Qwen3NextForCausalLM)");
   c.n_vocab = static_cast<int>(f.positive("vocab_size"));
   parse_layers(f, c);
   c.tie_embeddings = f.boolean("tie_word_embeddings", false);  // both families default to untied

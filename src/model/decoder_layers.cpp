@@ -65,14 +65,40 @@ static Tensor load_gated_qkv(Backend& be, const TensorStore& s, const ModelConfi
   return be.upload(parts);
 }
 
+// Qwen3-Next's fused projections in Qwen3.5's order [q | k | v | z | b | a] (each part all heads,
+// head-major). in_proj_qkvz holds per key head g its q (k_dim rows), k (k_dim), then v and z of
+// its r = n_v_heads / n_k_heads value heads (r * v_dim rows each); in_proj_ba per key head the b
+// rows of its value heads, then their a rows.
+static Tensor upload_fused_linear_in(Backend& be, const TensorInfo& qkvz, const TensorInfo& ba,
+                                     const LinearAttentionConfig& l) {
+  const int64_t nk = l.n_k_heads, dk = l.k_dim, r = l.n_v_heads / l.n_k_heads, rv = r * l.v_dim;
+  const int64_t group = 2 * dk + 2 * rv;
+  // Part by part: (tensor, rows of a key head's group, offset in the group, rows).
+  const struct { const TensorInfo* t; int64_t group, offset, rows; } parts[] = {
+      {&qkvz, group, 0, dk}, {&qkvz, group, dk, dk}, {&qkvz, group, 2 * dk, rv},
+      {&qkvz, group, 2 * dk + rv, rv}, {&ba, 2 * r, 0, r}, {&ba, 2 * r, r, r}};
+  std::vector<TensorInfo> slices;
+  for (const auto& part : parts)
+    for (int64_t g = 0; g < nk; ++g) slices.push_back(row_slice(*part.t, g * part.group + part.offset, part.rows));
+  std::vector<const TensorInfo*> order;
+  for (const TensorInfo& t : slices) order.push_back(&t);
+  return be.upload(order);
+}
+
 // Qwen3.5's Gated DeltaNet: the input projections as one weight, the convolution, gates and norm.
 static void load_linear_attention(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
                                   LayerWeights& w) {
   const LinearAttentionConfig& l = c.linear;
   const int64_t h = c.n_embd, conv_dim = l.conv_dim(), value_dim = l.value_dim(), nv = l.n_v_heads;
   const std::string a = p + "linear_attn.";
-  w.linear_in = be.upload({&s.get(a + "in_proj_qkv.weight", {conv_dim, h}), &s.get(a + "in_proj_z.weight", {value_dim, h}),
-                           &s.get(a + "in_proj_b.weight", {nv, h}), &s.get(a + "in_proj_a.weight", {nv, h})});
+  if (s.find(a + "in_proj_qkvz.weight")) {
+    w.linear_in = upload_fused_linear_in(be, s.get(a + "in_proj_qkvz.weight", {conv_dim + value_dim, h}),
+                                         s.get(a + "in_proj_ba.weight", {2 * nv, h}), l);
+  } else {
+    w.linear_in = be.upload({&s.get(a + "in_proj_qkv.weight", {conv_dim, h}),
+                             &s.get(a + "in_proj_z.weight", {value_dim, h}), &s.get(a + "in_proj_b.weight", {nv, h}),
+                             &s.get(a + "in_proj_a.weight", {nv, h})});
+  }
   const TensorInfo conv = flattened(s.get(a + "conv1d.weight", {conv_dim, 1, l.conv_kernel}));
   w.linear.conv = be.upload({&conv});
   w.linear.a_log = upload_f32(be, s.get(a + "A_log", {nv}));
@@ -112,8 +138,8 @@ static MoeWeights load_moe(Backend& be, const TensorStore& s, const ModelConfig&
   return w;
 }
 
-// A Qwen3.5 layer (norms loaded): Gated DeltaNet or gated attention, then a dense MLP or routed
-// experts with a shared one.
+// A Qwen3.5 / Qwen3-Next layer (norms loaded): Gated DeltaNet or gated attention, then a dense
+// MLP or routed experts with a shared one.
 static LayerWeights load_hybrid_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
                                       int i, LayerWeights w) {
   const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim;
@@ -132,6 +158,7 @@ static LayerWeights load_hybrid_layer(Backend& be, const TensorStore& s, const M
   }
   w.moe = load_moe(be, s, c, p + "mlp.");
   const int64_t sff = c.moe.shared_n_ff;
+  if (sff == 0) return w;  // Qwen3-Next may have none
   const std::string e = p + "mlp.shared_expert.";
   w.shared_gate_up = be.upload({&s.get(e + "gate_proj.weight", {sff, h}), &s.get(e + "up_proj.weight", {sff, h})});
   w.shared_down = be.upload({&s.get(e + "down_proj.weight", {h, sff})});

@@ -83,7 +83,10 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   const AttnRow r = rows[row];
   const Visible vis = visible_keys(r, shp.sliding_window);
   const int n_splits = n_splits_of(vis);
-  if (split >= max(n_splits, 1)) return;  // the whole block leaves together
+  // A row without keys belongs to another kernel of the call (run_attention hides the keys of
+  // the prefill and long forms' rows from this one): it writes nothing. The whole block leaves
+  // together.
+  if (r.n_keys == 0 || split >= max(n_splits, 1)) return;
   const int hd = shp.head_dim, h0 = kv_head * group + chunk * G;
   const int nh = min(G, group - chunk * G);
   const bool has_dims = lane * D < hd;

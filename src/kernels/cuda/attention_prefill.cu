@@ -1,8 +1,9 @@
 // Attention on tensor cores, FlashAttention-2's way, for long query segments (prefill chunks)
 // and for rows with many keys: a block owns 16 query vectors a warp (rows x heads of one KV
-// head's group, as in attention_mma.cu) and walks the keys its rows see in tiles of 64, each K
-// and V tile staged once in shared memory (cp.async, double buffered) for all its warps; every
-// warp keeps the online softmax state of its 16 vectors in registers.
+// head's group, as in attention_mma.cu) and walks the keys its rows see in tiles of 64 (32 at
+// head_dim 256, where a warp's 16 x 256 output and queries already take 192 registers a thread),
+// each K and V tile staged once in shared memory (cp.async, double buffered) for all its warps;
+// every warp keeps the online softmax state of its 16 vectors in registers.
 //
 // Prefill form: one pass over all the keys, no splits. Long form (rows with at least
 // kAttnLongKeys keys): blocks of kAttnLongSplitKeys keys each (grid.y), whose partial states a
@@ -10,7 +11,7 @@
 // once per KV head, not once per 4-row tile as the decode kernel does.
 //
 // A vector's arithmetic does not depend on the other vectors of its block (tiles start at
-// multiples of 64, a tile with none of its keys leaves its state as it is), so rows are
+// multiples of the tile size, a tile with none of its keys leaves its state as it is), so rows are
 // batch-invariant; they do not match the decode kernel's bits (another summation order), so a
 // row's kernel must follow from the row alone where that matters (launch.h).
 #include <cuda_bf16.h>
@@ -26,7 +27,9 @@ namespace dflash::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kTileKeys = 64;  // keys per shared-memory tile
+// Keys per shared-memory tile.
+template <int HD>
+constexpr int kTileKeys = HD == 256 ? 32 : 64;
 
 // 2^x (ex2.approx: 2 ulp; 2^-inf = 0).
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -38,8 +41,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 template <int HD>
 struct PrefillSmem {
   // Rows padded by 16 bytes: the 8 rows an ldmatrix reads fall on different banks.
-  bf16 k[2][kTileKeys][HD + 8];
-  bf16 v[2][kTileKeys][HD + 8];
+  bf16 k[2][kTileKeys<HD>][HD + 8];
+  bf16 v[2][kTileKeys<HD>][HD + 8];
 };
 
 // Splits of the long form a row's visible keys fall in (counted from key 0, as n_splits_of).
@@ -64,6 +67,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
                            bf16* __restrict__ out, int64_t out_stride) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<PrefillSmem<HD>*>(smem_raw);
+  constexpr int TK = kTileKeys<HD>;
   constexpr int kSteps = HD / 16;  // 16-dim steps of the score product
   constexpr int kDimTiles = HD / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4;
@@ -103,14 +107,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   const int split = kSplit ? static_cast<int>(blockIdx.y) : 0;
   const int split_begin = kSplit ? split * kAttnLongSplitKeys : 0;
   const int split_end = kSplit ? split_begin + kAttnLongSplitKeys : INT32_MAX;
-  const int key_begin = max(range_s[0], split_begin) / kTileKeys * kTileKeys, key_end = min(range_s[1], split_end);
-  const int n_key_tiles = key_end > key_begin ? (key_end - key_begin + kTileKeys - 1) / kTileKeys : 0;
+  const int key_begin = max(range_s[0], split_begin) / TK * TK, key_end = min(range_s[1], split_end);
+  const int n_key_tiles = key_end > key_begin ? (key_end - key_begin + TK - 1) / TK : 0;
 
   const int32_t* pages = page_tables + first.page_offset;
   const int64_t head_off = static_cast<int64_t>(kv_head) * HD;
   constexpr int kRowPieces = HD / 8;                                 // 16-byte pieces of a key row
-  constexpr int kPieces = kTileKeys * kRowPieces / (kWarps * 32);  // of a tile, per thread
-  // The K and V rows of keys [k0, k0 + 64) into buffer `buf` (keys past the sequence: zeros).
+  constexpr int kPieces = TK * kRowPieces / (kWarps * 32);  // of a tile, per thread
+  // The K and V rows of keys [k0, k0 + TK) into buffer `buf` (keys past the sequence: zeros).
   auto issue_tile = [&](int k0, int buf) {
 #pragma unroll
     for (int j = 0; j < kPieces; ++j) {
@@ -144,18 +148,18 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   const float scale = rsqrtf(static_cast<float>(HD)) * 1.44269504088896340736f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float acc[kDimTiles][4] = {};
-  // Whether this warp's vectors see any key of [k0, k0 + 64).
+  // Whether this warp's vectors see any key of [k0, k0 + TK).
   auto warp_sees = [&](int k0) {
     bool any = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) any |= lo[h] < hi[h] && lo[h] < k0 + kTileKeys && hi[h] > k0;
+    for (int h = 0; h < 2; ++h) any |= lo[h] < hi[h] && lo[h] < k0 + TK && hi[h] > k0;
     return __any_sync(kFull, any);
   };
 
   for (int t = 0; t < n_key_tiles; ++t) {
-    const int k0 = key_begin + t * kTileKeys, buf = t % 2;
+    const int k0 = key_begin + t * TK, buf = t % 2;
     if (t + 1 < n_key_tiles) {
-      issue_tile(k0 + kTileKeys, buf ^ 1);
+      issue_tile(k0 + TK, buf ^ 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -163,11 +167,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     __syncthreads();
     if (warp_sees(k0)) {
       // S = Q K^T: n-tile kt holds keys k0 + 8kt + 2qd + {0, 1} of vectors g (0, 1) and g + 8 (2, 3).
-      float sc[kTileKeys / 8][4] = {};
+      float sc[TK / 8][4] = {};
 #pragma unroll
       for (int c = 0; c < HD / 32; ++c)
 #pragma unroll
-        for (int kt = 0; kt < kTileKeys / 8; ++kt) {
+        for (int kt = 0; kt < TK / 8; ++kt) {
           uint32_t b[4];
           ldmatrix_x4(b, &sm.k[buf][8 * kt + lane % 8][32 * c + 8 * (lane / 8)]);
           mma_bf16(sc[kt], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], b[0], b[1]);
@@ -178,7 +182,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       for (int h = 0; h < 2; ++h) {
         float mx = -INFINITY;
 #pragma unroll
-        for (int kt = 0; kt < kTileKeys / 8; ++kt)
+        for (int kt = 0; kt < TK / 8; ++kt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int key = k0 + 8 * kt + 2 * qd + e;
@@ -192,7 +196,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
         const float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m[h] - m_new);
         float sum = 0.0f;
 #pragma unroll
-        for (int kt = 0; kt < kTileKeys / 8; ++kt)
+        for (int kt = 0; kt < TK / 8; ++kt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float v = sc[kt][2 * h + e];
@@ -209,7 +213,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       }
       // O += P V: P's A fragments are the score tiles' accumulators, V's B fragments come transposed.
 #pragma unroll
-      for (int j = 0; j < kTileKeys / 16; ++j) {
+      for (int j = 0; j < TK / 16; ++j) {
         const uint32_t a0 = pack_bf16(sc[2 * j][0], sc[2 * j][1]), a1 = pack_bf16(sc[2 * j][2], sc[2 * j][3]);
         const uint32_t a2 = pack_bf16(sc[2 * j + 1][0], sc[2 * j + 1][1]);
         const uint32_t a3 = pack_bf16(sc[2 * j + 1][2], sc[2 * j + 1][3]);
@@ -303,10 +307,20 @@ void launch_tiles(const Mat& q, const Mat& k_cache, const Mat& v_cache, const At
               out.stride);
 }
 
+template <bool kSplit>
+void launch_by_dim(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, const AttnTile* tiles,
+                   int n_tiles, int splits, const int32_t* page_tables, const AttnShape& shp, const int32_t* work_rows,
+                   float* workspace, Mat out, cudaStream_t s) {
+  const auto form = shp.head_dim == 64    ? launch_tiles<64, kSplit>
+                    : shp.head_dim == 128 ? launch_tiles<128, kSplit>
+                                          : launch_tiles<256, kSplit>;
+  form(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, work_rows, workspace, out, s);
+}
+
 }  // namespace
 
 int attention_prefill_heads(const AttnShape& shp) {
-  if (shp.head_dim != 64 && shp.head_dim != 128) return 0;
+  if (shp.head_dim != 64 && shp.head_dim != 128 && shp.head_dim != 256) return 0;
   return std::min(shp.n_heads / shp.n_kv_heads, 16);
 }
 
@@ -319,10 +333,7 @@ void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cac
                               const AttnTile* tiles, int n_tiles, const int32_t* page_tables, const AttnShape& shp,
                               Mat out, cudaStream_t s) {
   if (n_tiles == 0) return;
-  if (shp.head_dim == 64)
-    launch_tiles<64, false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, nullptr, out, s);
-  else
-    launch_tiles<128, false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, nullptr, out, s);
+  launch_by_dim<false>(q, k_cache, v_cache, rows, tiles, n_tiles, 1, page_tables, shp, nullptr, nullptr, out, s);
 }
 
 int64_t attention_long_workspace_bytes(int n_long_rows, int max_keys, const AttnShape& shp) {
@@ -336,15 +347,13 @@ void launch_attention_long(const Mat& q, const Mat& k_cache, const Mat& v_cache,
                            cudaStream_t s) {
   if (n_tiles == 0) return;
   const int splits = std::max(1, (max_keys + kAttnLongSplitKeys - 1) / kAttnLongSplitKeys);
-  if (shp.head_dim == 64)
-    launch_tiles<64, true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, work_rows, workspace,
-                           out, s);
-  else
-    launch_tiles<128, true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, work_rows, workspace,
-                            out, s);
+  launch_by_dim<true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, work_rows, workspace, out,
+                      s);
   if (splits <= 1) return;
   const int64_t items = int64_t{n_rows} * shp.n_heads;
-  const auto combine = shp.head_dim == 64 ? long_combine_kernel<2> : long_combine_kernel<4>;
+  const auto combine = shp.head_dim == 64    ? long_combine_kernel<2>
+                       : shp.head_dim == 128 ? long_combine_kernel<4>
+                                             : long_combine_kernel<8>;
   launch(combine, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, work_rows,
          static_cast<const float*>(workspace), splits, out.data, out.stride);
 }

@@ -59,11 +59,13 @@ TEST_F(CudaEngine, TargetLogitsTrackTheCpuBackend) {
     // itself is held to 3e-3 against a reference with its rounding points, test_cuda_kernels.cpp).
     // Qwen3.5 targets round where transformers in bf16 rounds (its own bf16 logits are 2.4e-2 and
     // 3.4e-2 from its float32 ones on qwen3_5_tied and trained_qwen3_5: bench/results/
-    // logits_vs_hf_qwen3_5_h100.txt).
+    // logits_vs_hf_qwen3_5_h100.txt). qwen3_next_untied (float32, routed without renormalized
+    // top-k) is the most sensitive fixture: its weights rounded to bf16 alone move its CPU logits
+    // by 3.5e-2 (qwen3_5_tied 1.6e-2, qwen3_moe_tied 2.5e-2: tools/bf16_weight_sensitivity.py, 100
+    // random tokens); on the H100 it is 5.3e-2 from the CPU.
     const std::string n = name;
-    const bool loose = n.find("moe") != std::string::npos || n.find("qwen3_5") != std::string::npos ||
-                       n.find("qwen3_next") != std::string::npos;
-    EXPECT_LE(err, loose ? 4e-2 : 2e-2) << name;
+    const bool loose = n.find("moe") != std::string::npos || n.find("qwen3_5") != std::string::npos;
+    EXPECT_LE(err, n == "qwen3_next_untied" ? 6e-2 : loose ? 4e-2 : 2e-2) << name;
   }
 }
 

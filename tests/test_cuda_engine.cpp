@@ -110,6 +110,30 @@ TEST_F(CudaEngine, RoutedRowsAreBitIdenticalAloneAndInABatch) {
   }
 }
 
+// A kept state copied into another slot on the GPU (the prefix cache's restore) continues its
+// sequence with the same bits as the slot it came from.
+TEST_F(CudaEngine, HybridCopiedStateSlotContinuesBitForBit) {
+  auto be = make_cuda_backend();
+  for (const char* name : {"qwen3_5_tied", "qwen3_next_untied"}) {
+    TargetModel m(*be, fixture(std::string("targets/") + name));
+    const int page = 16;
+    KvCache cache = m.alloc_cache(4, page, 3, 16);
+    const std::vector<int32_t> pages = {3, 1, 0, 2};
+    auto forward = [&](const std::vector<int32_t>& ids, int32_t n_past, int32_t slot) {
+      ForwardBatch b(page);
+      b.add_sequence(ids, n_past, pages, true, {slot});
+      b.logit_rows = {static_cast<int32_t>(ids.size()) - 1};
+      return be->to_host(m.forward(b, cache).logits);
+    };
+    std::vector<int32_t> head(37);
+    for (size_t i = 0; i < head.size(); ++i) head[i] = static_cast<int32_t>((i * 37 + 11) % 256);
+    forward(head, 0, 0);
+    m.copy_state_slot(cache, 0, 1);
+    const auto n = static_cast<int32_t>(head.size());
+    EXPECT_EQ(forward({42}, n, 1), forward({42}, n, 0)) << name;
+  }
+}
+
 // Qwen3.5: a verification block's rows give the same bits alone and beside other sequences'
 // rows (each sequence on its own state slot, over its own prefix; verification leaves the states
 // as they were, so the two forwards start from the same states).

@@ -194,6 +194,30 @@ TEST_P(HybridReferenceTest, IncrementalDecodingMatchesTransformersFor200Steps) {
   EXPECT_LT(worst, 1e-5);
 }
 
+// A kept state (TargetModel::copy_state_slot, as the prefix cache restores one) continues its
+// sequence exactly as the slot it was copied from: the next token's logits are the same bits,
+// and a slot holding another state's are not.
+TEST_P(HybridReferenceTest, CopiedStateSlotContinuesBitForBit) {
+  const auto prompt = meta_["incremental_prompt"].get<std::vector<int32_t>>();
+  const int page = 16;
+  KvCache cache = target_->alloc_cache(2, page, 3, 1);
+  const std::vector<int32_t> pages = {1, 0};
+  auto forward = [&](const std::vector<int32_t>& ids, int32_t n_past, int32_t slot) {
+    ForwardBatch b(page);
+    b.add_sequence(ids, n_past, pages, true, {slot});
+    b.logit_rows = {static_cast<int32_t>(ids.size()) - 1};
+    return be_->to_host(target_->forward(b, cache).logits);
+  };
+  const std::vector<int32_t> head(prompt.begin(), prompt.end() - 1), last = {prompt.back()};
+  const auto n = static_cast<int32_t>(head.size());
+  forward(head, 0, 0);
+  forward(std::vector<int32_t>(head.begin(), head.begin() + 3), 0, 2);  // slot 2: the state after 3 tokens
+  target_->copy_state_slot(cache, 0, 1);
+  const auto from = forward(last, n, 0), copied = forward(last, n, 1), other = forward(last, n, 2);
+  EXPECT_EQ(copied, from);
+  EXPECT_NE(other, from);
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, HybridReferenceTest,
                          ::testing::Values("qwen3_5_tied", "qwen3_5_moe_untied_bf16", "qwen3_next_untied"));
 

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "engine/engine.h"
+#include "engine/page_pool.h"
 #include "engine/serving.h"
 #include "test_util.h"
 #include "util/error.h"
@@ -197,6 +198,117 @@ TEST(Serving, RepeatedPrefixesComeFromThePrefixCache) {
     EXPECT_EQ(server.stats().kv_pages_used, 0);
     EXPECT_GT(server.stats().kv_pages_cached, 0);
   }
+}
+
+// Qwen3.5: a conversation's next turn maps the previous turns' pages and starts from a kept
+// recurrent state (a snapshot at a page end), plain and DFlash, and equals generating it alone;
+// with no snapshots the prefix cache is off for the hybrid target and the output is the same.
+TEST(Serving, HybridTurnsStartFromKeptStates) {
+  // Random weights: every token depends on the whole state (the trained pair's tokens hardly do).
+  const Pair pair = trained_pair("qwen3_5_tied");
+  EngineOptions eo;
+  eo.model_dir = pair.target;
+  eo.draft_dir = pair.draft;
+  Engine engine(eo);
+  for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+    for (int snapshots : {-1, 0}) {
+      ServingOptions so;
+      so.engine = eo;
+      so.engine.page_size = 4;
+      so.mode = mode;
+      so.max_num_seqs = 4;
+      so.state_snapshots = snapshots;
+      ServingEngine server(so);
+      std::vector<int32_t> history = pair.prompts[0];
+      int64_t hits_before = 0;
+      size_t last_prompt = 0;
+      for (size_t turn = 1; turn < 5; ++turn) {
+        std::vector<int32_t> prompt = history;
+        prompt.insert(prompt.end(), pair.prompts[turn].begin(), pair.prompts[turn].end());
+        Collector col;
+        uint64_t id = 0;
+        RequestParams rp;
+        rp.prompt = prompt;
+        rp.max_tokens = 12;
+        {
+          std::lock_guard<std::mutex> lk(col.mu);
+          id = server.submit(rp, col.callback_for(&id));
+        }
+        col.wait_for(1);
+        GenerateOptions go;
+        go.max_tokens = 12;
+        go.mode = mode;
+        const std::string what = cat(mode == SpeculativeMode::DFlash ? "DFlash" : "plain", ", snapshots ", snapshots,
+                                     ", turn ", turn);
+        EXPECT_EQ(col.tokens[id], engine.generate(prompt, go).tokens) << what;
+        const int64_t hits = server.stats().prefix_hit_pages;
+        std::printf("[%s] %lld pages from the prefix cache, %lld states kept\n", what.c_str(),
+                    static_cast<long long>(hits - hits_before),
+                    static_cast<long long>(server.stats().state_snapshots_taken));
+        // A state was kept at the last page end of the last turn's prompt, at least.
+        if (snapshots != 0 && turn > 1) EXPECT_GE(hits - hits_before, static_cast<int64_t>(last_prompt / 4)) << what;
+        if (snapshots == 0) EXPECT_EQ(hits, 0) << what;
+        hits_before = hits;
+        last_prompt = prompt.size();
+        history = prompt;
+        history.insert(history.end(), col.tokens[id].begin(), col.tokens[id].end());
+      }
+      const ServingStats st = server.stats();
+      EXPECT_EQ(st.kv_pages_used, 0);
+      if (snapshots != 0) EXPECT_GT(st.state_snapshots_taken, 0);
+      if (snapshots == 0) EXPECT_EQ(st.state_snapshots_taken, 0);
+    }
+  }
+}
+
+// State snapshots in the page pool: a prefix matches up to its last page with a snapshot; a
+// sequence's new snapshot replaces its previous one; released snapshots are evicted least
+// recently used first, never a running sequence's; a snapshot goes with its page.
+TEST(PagePool, StateSnapshotsFollowTheirPages) {
+  PagePool pool(10, 2, 2);
+  const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6, 7}, b = {9, 8, 7, 6, 5};
+  std::vector<int32_t> ta, tb;
+  ASSERT_TRUE(pool.reserve(ta, 7));
+  int32_t reg_a = 0, held_a = -1;
+  uint64_t chain_a = 0;
+  pool.register_full_pages(a, 4, ta, &reg_a, &chain_a);  // pages [1 2] [3 4]
+  EXPECT_EQ(pool.claim_snapshot(chain_a, &held_a), 0);
+  EXPECT_EQ(pool.claim_snapshot(chain_a, &held_a), -1);  // that chain has one
+  std::vector<int32_t> t;
+  int32_t snap = -2;
+  EXPECT_EQ(pool.match_prefix(a, t, &snap), 4);
+  EXPECT_EQ(snap, 0);
+  pool.release(t);
+  pool.register_full_pages(a, 6, ta, &reg_a, &chain_a);  // + [5 6]
+  EXPECT_EQ(pool.claim_snapshot(chain_a, &held_a), 0);  // replaces its own
+  EXPECT_EQ(pool.match_prefix(a, t, &snap), 6);
+  EXPECT_EQ(snap, 0);
+  pool.release(t);
+  // B takes the other snapshot; a third chain finds both owned.
+  ASSERT_TRUE(pool.reserve(tb, 5));
+  int32_t reg_b = 0, held_b = -1, held_c = -1;
+  uint64_t chain_b = 0;
+  pool.register_full_pages(b, 2, tb, &reg_b, &chain_b);
+  EXPECT_EQ(pool.claim_snapshot(chain_b, &held_b), 1);
+  EXPECT_EQ(pool.claim_snapshot(12345, &held_c), -1);
+  // A ends: its snapshot is cached, and the first to go when one is needed.
+  pool.release(ta);
+  pool.release_snapshot(&held_a);
+  EXPECT_EQ(pool.match_prefix(a, t, &snap), 6);
+  pool.release(t);
+  EXPECT_EQ(pool.claim_snapshot(12345, &held_c), 0);
+  EXPECT_EQ(pool.match_prefix(a, t, &snap), 0);  // A's pages are cached, its state is not
+  EXPECT_EQ(snap, -1);
+  EXPECT_TRUE(t.empty());
+  // B ends; its pages are evicted for new ones, and its snapshot with them.
+  pool.release(tb);
+  pool.release_snapshot(&held_b);
+  std::vector<int32_t> big;
+  ASSERT_TRUE(pool.reserve(big, 20));  // every page: the cached ones are evicted
+  EXPECT_EQ(pool.match_prefix(b, t, &snap), 0);
+  EXPECT_EQ(snap, -1);
+  int32_t held_d = -1;
+  EXPECT_EQ(pool.claim_snapshot(777, &held_d), 1);  // B's snapshot was freed with its page
 }
 
 TEST(Serving, CancelFreesPagesAndBadRequestsAreRefused) {

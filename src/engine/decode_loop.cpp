@@ -11,8 +11,10 @@ namespace {
 StepCaches alloc_caches(ModelSet& m, const LoopOptions& o) {
   check(o.n_pages > 0, "the KV cache needs at least one page");
   StepCaches c;
-  // Hybrid targets: a state slot per running sequence, tapes as long as a verification block.
-  c.target = m.target->alloc_cache(o.n_pages, m.page_size, o.max_num_seqs, o.speculative ? m.block_size : 1);
+  // Hybrid targets: a state slot per running sequence and per snapshot, tapes as long as a
+  // verification block.
+  c.target = m.target->alloc_cache(o.n_pages, m.page_size, o.max_num_seqs + o.state_snapshots,
+                                   o.speculative ? m.block_size : 1);
   if (o.speculative) c.draft = m.draft->alloc_cache(o.n_pages, m.page_size);
   return c;
 }
@@ -23,7 +25,7 @@ DecodeLoop::DecodeLoop(ModelSet& m, const LoopOptions& o)
     : m_(m),
       caches_((check(!o.speculative || m.draft, "DFlash decoding needs a draft model (--draft)"), alloc_caches(m, o))),
       sched_(o.n_pages, m.page_size, o.speculative, o.speculative ? m.block_size : 1, o.max_num_seqs,
-             o.max_tokens_per_step, m.target->config().max_positions, m.target->is_hybrid()),
+             o.max_tokens_per_step, m.target->config().max_positions, m.target->is_hybrid(), o.state_snapshots),
       runner_(m, caches_, o.speculative, o.spec_sampling, o.graphs) {
   stats_.acceptance_histogram.assign(runner_.block(), 0);
   stats_.position_accepted.assign(std::max(runner_.block() - 1, 0), 0);
@@ -83,6 +85,7 @@ void DecodeLoop::cancel_all() {
 
 bool DecodeLoop::step() {
   const StepPlan plan = sched_.schedule();
+  for (const auto& c : plan.state_copies) m_.target->copy_state_slot(caches_.target, c.from, c.to);
   if (plan.empty()) return false;
   const auto t0 = std::chrono::steady_clock::now();
   StepCounters c;

@@ -21,6 +21,7 @@ struct LoopOptions {
   int max_num_seqs = 1;
   int max_tokens_per_step = 2048;  // rows per target forward (prefill chunks + decode/verify rows)
   bool graphs = true;              // fixed-shape steps as CUDA-graph replays
+  int state_snapshots = 0;         // hybrid targets: recurrent states kept for the prefix cache (Scheduler)
 };
 
 // Running totals of the loop's steps.

@@ -7,14 +7,15 @@
 namespace dflash {
 
 Scheduler::Scheduler(int n_pages, int page_size, bool with_draft, int block, int max_num_seqs, int max_tokens_per_step,
-                     int max_positions, bool recurrent)
-    : pool_(n_pages, page_size),
+                     int max_positions, bool recurrent, int state_snapshots)
+    : pool_(n_pages, page_size, recurrent ? state_snapshots : 0),
       with_draft_(with_draft),
       block_(block),
       max_num_seqs_(max_num_seqs),
       max_tokens_per_step_(max_tokens_per_step),
       max_positions_(max_positions),
-      recurrent_(recurrent) {
+      recurrent_(recurrent),
+      snapshots_(recurrent && state_snapshots > 0) {
   if (recurrent_)
     for (int32_t slot = max_num_seqs - 1; slot >= 0; --slot) free_slots_.push_back(slot);
   check(max_num_seqs >= 1, "max_num_seqs must be at least 1");
@@ -37,10 +38,14 @@ void Scheduler::release(Sequence& s) {
   if (s.state_slot >= 0) free_slots_.push_back(s.state_slot);
   s.state_slot = -1;
   s.state_replay = 0;
+  pool_.release_snapshot(&s.snapshot);
 }
 
-bool Scheduler::admit(Sequence& s) {
-  const int32_t covered = recurrent_ ? 0 : pool_.match_prefix(s.tokens, s.pages);
+bool Scheduler::admit(Sequence& s, StepPlan& plan) {
+  int32_t snapshot = -1;
+  const int32_t covered = !recurrent_  ? pool_.match_prefix(s.tokens, s.pages)
+                          : snapshots_ ? pool_.match_prefix(s.tokens, s.pages, &snapshot)
+                                       : 0;
   if (!reserve(s, std::min<int64_t>(static_cast<int64_t>(s.tokens.size()) + block_, max_positions_))) {
     pool_.release(s.pages);
     return false;
@@ -51,6 +56,7 @@ bool Scheduler::admit(Sequence& s) {
     s.state_slot = free_slots_.back();
     free_slots_.pop_back();
     s.state_replay = 0;
+    if (snapshot >= 0) plan.state_copies.push_back({max_num_seqs_ + snapshot, s.state_slot});
   }
   return true;
 }
@@ -70,11 +76,20 @@ void Scheduler::add(std::unique_ptr<Sequence> seq) { waiting_.push_back(std::mov
 
 StepPlan Scheduler::schedule() {
   StepPlan plan;
-  // Pages completed by the last step join the prefix cache (with a draft, once its context covers them too).
+  // Pages completed by the last step join the prefix cache (with a draft, once its context covers
+  // them too); a hybrid target's state is kept when the committed tokens end at such a page (a
+  // pending replay means the state lags behind them).
   for (auto& s : running_) {
-    if (recurrent_) break;
+    if (recurrent_ && !snapshots_) break;
     const int32_t committed = with_draft_ ? std::min(s->n_cached, s->n_draft_ctx) : s->n_cached;
     pool_.register_full_pages(s->tokens, committed, s->pages, &s->n_registered, &s->chain);
+    if (!snapshots_ || s->state_replay != 0 || committed != s->n_cached || s->n_cached == 0 ||
+        int64_t{s->n_registered} * pool_.page_size() != s->n_cached)
+      continue;
+    const int32_t i = pool_.claim_snapshot(s->chain, &s->snapshot);
+    if (i < 0) continue;
+    plan.state_copies.push_back({s->state_slot, max_num_seqs_ + i});
+    ++n_snapshots_taken_;
   }
   // Decoding sequences need room for this step's rows; the most recently admitted
   // sequence gives its pages back until they fit (it may be the one asking).
@@ -96,7 +111,11 @@ StepPlan Scheduler::schedule() {
   }
   // Prefill: sequences already admitted first, then new ones in arrival order.
   auto add_prefill = [&](Sequence& s) {
-    const int32_t n = std::min<int32_t>(static_cast<int32_t>(s.tokens.size()) - s.n_cached, budget);
+    int32_t n = std::min<int32_t>(static_cast<int32_t>(s.tokens.size()) - s.n_cached, budget);
+    // With state snapshots a chunk ends at a page end when it can, so that the state there is kept;
+    // the rest of the page comes next step.
+    const int32_t end = s.n_cached + n, page_end = end / pool_.page_size() * pool_.page_size();
+    if (snapshots_ && page_end > s.n_cached) n = page_end - s.n_cached;
     plan.prefills.push_back({&s, n});
     budget -= n;
   };
@@ -106,7 +125,7 @@ StepPlan Scheduler::schedule() {
   while (!waiting_.empty() && static_cast<int>(running_.size()) < max_num_seqs_ && budget > 0) {
     Sequence& s = *waiting_.front();
     if (s.share_prefix_with && prompt_pending(s.share_prefix_with)) break;  // its pages are about to be cached
-    if (!admit(s)) break;  // first come, first served
+    if (!admit(s, plan)) break;  // first come, first served
     s.admit_order = next_order_++;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();

@@ -26,6 +26,12 @@ struct StepPlan {
   };
   std::vector<Prefill> prefills;
   std::vector<Decode> decodes;
+  // Hybrid targets: recurrent state slots to copy, in this order, before the step's forwards
+  // (a running sequence's state into a snapshot, then snapshots into newly admitted sequences).
+  struct StateCopy {
+    int32_t from, to;
+  };
+  std::vector<StateCopy> state_copies;
   bool empty() const { return prefills.empty() && decodes.empty(); }
 };
 
@@ -33,9 +39,12 @@ class Scheduler {
  public:
   // block: rows a decoding sequence needs per step (DFlash block size, 1 for plain). recurrent:
   // the target keeps a state per sequence (hybrid models): each running sequence gets a slot
-  // 0..max_num_seqs-1, and the prefix cache is not used (a cached prefix would need its state).
+  // 0..max_num_seqs-1, and a cached prefix needs the state at its end: state_snapshots slots
+  // from max_num_seqs on hold states at page ends (PagePool). A sequence's state is kept when its
+  // committed tokens end at a page (prefill chunks are cut at a page end for it); with none, the
+  // prefix cache is off for hybrid targets.
   Scheduler(int n_pages, int page_size, bool with_draft, int block, int max_num_seqs, int max_tokens_per_step,
-            int max_positions, bool recurrent = false);
+            int max_positions, bool recurrent = false, int state_snapshots = 0);
 
   void add(std::unique_ptr<Sequence> seq);        // to the back of the waiting queue
   // Plans the next step; may preempt running sequences (moved to the waiting front).
@@ -47,6 +56,7 @@ class Scheduler {
   int pages_used() const { return pool_.n_in_use(); }
   int pages_cached() const { return pool_.n_cached(); }
   int64_t prefix_hit_pages() const { return pool_.n_hit_pages(); }
+  int64_t state_snapshots_taken() const { return n_snapshots_taken_; }
   int n_pages() const { return pool_.n_pages(); }
   int n_running() const { return static_cast<int>(running_.size()); }
   int n_waiting() const { return static_cast<int>(waiting_.size()); }
@@ -59,7 +69,7 @@ class Scheduler {
   int rows_for(const Sequence& s) const;  // decode rows of `s` this step
   bool reserve(Sequence& s, int64_t n_positions);
   void release(Sequence& s);
-  bool admit(Sequence& s);  // maps its cached prefix and reserves the rest, or changes nothing
+  bool admit(Sequence& s, StepPlan& plan);  // maps its cached prefix and reserves the rest, or changes nothing
   void preempt(Sequence& s);
   // Sequence `id` is waiting or prefilling (a sequence sharing its prompt waits for its pages).
   bool prompt_pending(uint64_t id) const;
@@ -71,7 +81,9 @@ class Scheduler {
   std::deque<std::unique_ptr<Sequence>> waiting_;
   int64_t next_order_ = 0, n_preempted_ = 0;
   bool recurrent_;
+  bool snapshots_;  // hybrid target with state snapshots: the prefix cache is on
   std::vector<int32_t> free_slots_;
+  int64_t n_snapshots_taken_ = 0;
 };
 
 }  // namespace dflash

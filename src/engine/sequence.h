@@ -34,6 +34,7 @@ struct Sequence {
   // rows of its last verification block (accepted ones) its next target forward folds in first.
   int32_t state_slot = -1;
   int32_t state_replay = 0;
+  int32_t snapshot = -1;         // its latest state snapshot in the prefix cache (PagePool index), -1: none
 
   bool prefilling() const { return pending < 0; }
 };

@@ -15,8 +15,15 @@ namespace dflash {
 
 namespace {
 
-// KV pages of each cache: --kv-pages, else a fraction of the free device memory, else enough for
-// every sequence to hold 4096 positions (or the whole context when shorter).
+// Hybrid targets' state snapshots (ServingOptions::state_snapshots).
+int plan_snapshots(const ServingOptions& o, const ModelSet& m) {
+  if (!m.target->is_hybrid()) return 0;
+  return o.state_snapshots < 0 ? o.max_num_seqs : o.state_snapshots;
+}
+
+// KV pages of each cache: --kv-pages, else a fraction of the free device memory (less the hybrid
+// targets' state slots), else enough for every sequence to hold 4096 positions (or the whole
+// context when shorter).
 int plan_pages(const ServingOptions& o, ModelSet& m, bool spec) {
   const ModelConfig& c = m.target->config();
   const int block = spec ? m.block_size : 1;
@@ -32,9 +39,11 @@ int plan_pages(const ServingOptions& o, ModelSet& m, bool spec) {
   const int64_t elt = m.be->name() == "cpu" ? 4 : 2;
   auto per = [&](const ModelConfig& mc) { return int64_t{mc.n_layers} * 2 * mc.n_kv_heads * mc.head_dim * elt; };
   const int64_t page_bytes = (per(c) + (spec ? per(m.draft->config().layers) : 0)) * m.page_size;
-  const int n = static_cast<int>(static_cast<double>(free_b) * o.gpu_memory_fraction / static_cast<double>(page_bytes));
-  check(n > 0, "--gpu-memory-fraction ", o.gpu_memory_fraction, " of ", free_b >> 20,
-        " MiB free leaves no room for one KV page");
+  const int64_t state_b = (o.max_num_seqs + plan_snapshots(o, m)) * m.target->state_slot_bytes(block);
+  const double budget = static_cast<double>(free_b) * o.gpu_memory_fraction - static_cast<double>(state_b);
+  const int n = static_cast<int>(std::max(budget, 0.0) / static_cast<double>(page_bytes));
+  check(n > 0, "--gpu-memory-fraction ", o.gpu_memory_fraction, " of ", free_b >> 20, " MiB free leaves no room for one KV page",
+        state_b > 0 ? cat(" beside ", state_b >> 20, " MiB of recurrent states") : std::string());
   return n;
 }
 
@@ -68,6 +77,7 @@ struct ServingEngine::Impl {
     lo.max_num_seqs = o.max_num_seqs;
     lo.max_tokens_per_step = o.max_tokens_per_step;
     lo.graphs = o.engine.graphs;
+    lo.state_snapshots = plan_snapshots(o, m);
     loop = std::make_unique<DecodeLoop>(m, lo);
     // A finished sequence's pages are free before its client hears that it ended, so that a
     // client reading the metrics right after its last event sees them free.
@@ -121,6 +131,7 @@ struct ServingEngine::Impl {
     stats.kv_pages_used = s.pages_used();
     stats.kv_pages_cached = s.pages_cached();
     stats.prefix_hit_pages = s.prefix_hit_pages();
+    stats.state_snapshots_taken = s.state_snapshots_taken();
     stats.n_running = s.n_running();
     stats.n_waiting = s.n_waiting();
     stats.n_preempted = s.n_preempted();

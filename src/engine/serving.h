@@ -25,6 +25,7 @@ struct ServingOptions {
   int kv_pages = 0;               // KV pages per cache (target and draft); 0: enough for max_num_seqs full contexts, capped
   int max_tokens_per_step = 2048; // rows per target forward (prefill chunks + decode/verify rows)
   double gpu_memory_fraction = 0; // > 0: size kv_pages to this fraction of the device memory free after loading
+  int state_snapshots = -1;       // hybrid targets: recurrent states kept for the prefix cache (-1: max_num_seqs; 0: none)
 };
 
 struct RequestParams {
@@ -52,6 +53,7 @@ struct ServingStats {
   int kv_pages_total = 0, kv_pages_used = 0;  // target cache (the draft cache mirrors it)
   int kv_pages_cached = 0;                     // free, but holding a cached prefix
   int64_t prefix_hit_pages = 0;                // pages mapped from the prefix cache instead of recomputed
+  int64_t state_snapshots_taken = 0;           // hybrid targets: recurrent states kept for the prefix cache
   int n_running = 0, n_waiting = 0;
   int64_t n_finished = 0, n_preempted = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0, n_steps = 0;

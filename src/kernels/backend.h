@@ -317,6 +317,8 @@ class Backend {
   }
   // out[i] = src[rows[i]]  (out may be a column slice of a wider tensor)
   virtual void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) = 0;
+  // dst = src, element for element (same dtype and shape; strides may differ). Not inside graphs.
+  virtual void copy_rows(const Tensor& src, Tensor& dst) = 0;
   // Index of the largest value per row (first on ties).
   virtual std::vector<int32_t> argmax_rows(const Tensor& x) = 0;
   // Token ids on the device: alloc_ids gives an I32 tensor [n, 1]; argmax_ids queues

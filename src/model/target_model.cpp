@@ -54,6 +54,30 @@ KvCache TargetModel::alloc_cache(int n_pages, int page_size, int n_state_slots, 
   return c;
 }
 
+int64_t TargetModel::state_slot_bytes(int tape_rows) const {
+  if (!cfg_.hybrid()) return 0;
+  const LinearAttentionConfig& lc = cfg_.linear;
+  const int64_t per_layer = (lc.conv_kernel - 1) * lc.conv_dim() + int64_t{lc.n_v_heads} * lc.k_dim * lc.v_dim +
+                            tape_rows * (lc.conv_dim() + 2 * int64_t{lc.n_v_heads});
+  int n_linear = 0;
+  for (int l = 0; l < cfg_.n_layers; ++l) n_linear += cfg_.is_linear_layer(l);
+  return per_layer * n_linear * int64_t{sizeof(float)};
+}
+
+void TargetModel::copy_state_slot(KvCache& cache, int32_t from, int32_t to) {
+  RecurrentCache& r = cache.recurrent;
+  check(from >= 0 && from < r.n_slots && to >= 0 && to < r.n_slots, "state slot copy ", from, " -> ", to,
+        " outside 0..", r.n_slots - 1);
+  if (from == to) return;
+  for (std::vector<Tensor>* part : {&r.conv, &r.state}) {
+    for (Tensor& t : *part) {
+      if (t.empty()) continue;
+      Tensor dst = t.slice_rows(to, 1);
+      be_.copy_rows(t.slice_rows(from, 1), dst);
+    }
+  }
+}
+
 int64_t TargetModel::weight_bytes_per_step(const std::vector<int>* routed) const {
   int64_t n = tensor_bytes(w_.final_norm) + tensor_bytes(w_.lm_head);
   for (size_t l = 0; l < w_.layers.size(); ++l) n += layer_bytes(w_.layers[l], routed ? (*routed)[l] : -1);

@@ -36,6 +36,11 @@ class TargetModel {
   // Hybrid targets also get n_state_slots recurrent states whose tapes hold tape_rows rows (the
   // largest verification block); attention layers alone get pages.
   KvCache alloc_cache(int n_pages, int page_size, int n_state_slots = 1, int tape_rows = 1);
+  // Device bytes of one state slot of alloc_cache (0 for targets without recurrent layers).
+  int64_t state_slot_bytes(int tape_rows) const;
+  // Hybrid targets: state slot `to` = state slot `from` (convolution window and recurrent state;
+  // the tape is not copied: the copy is of committed states).
+  void copy_state_slot(KvCache& cache, int32_t from, int32_t to);
   // Weight bytes a decode step reads: every layer, the final norm and lm_head. With `routed`
   // (routed_experts()), a routed layer counts only the experts its rows went to.
   int64_t weight_bytes_per_step(const std::vector<int>* routed = nullptr) const;

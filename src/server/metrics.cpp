@@ -97,6 +97,9 @@ std::string Metrics::render(const ServingStats& st, const std::string& model) co
   gauge("dflash_kv_pages_cached", "gauge", "free KV pages holding a cached prefix", st.kv_pages_cached);
   gauge("dflash_prefix_cache_hit_pages_total", "counter", "KV pages reused from the prefix cache",
         static_cast<double>(st.prefix_hit_pages));
+  gauge("dflash_state_snapshots_total", "counter",
+        "recurrent states kept at page ends for the prefix cache (hybrid targets)",
+        static_cast<double>(st.state_snapshots_taken));
   gauge("dflash_requests_running", "gauge", "sequences being decoded", st.n_running);
   gauge("dflash_requests_waiting", "gauge", "sequences waiting for admission", st.n_waiting);
   // Acceptance length: tokens produced per DFlash sequence-step (1 = no draft token accepted).

@@ -360,6 +360,15 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void copy_rows(const Tensor& src, Tensor& dst) override {
+    check(src.dtype == dst.dtype && src.rows == dst.rows && src.cols == dst.cols, "cpu backend: copy_rows shape mismatch");
+    const size_t row_bytes = static_cast<size_t>(src.cols) * dtype_size(src.dtype);
+    for (int64_t r = 0; r < src.rows; ++r)
+      std::memmove(static_cast<char*>(dst.data) + r * dst.stride * static_cast<int64_t>(dtype_size(dst.dtype)),
+                   static_cast<const char*>(src.data) + r * src.stride * static_cast<int64_t>(dtype_size(src.dtype)),
+                   row_bytes);
+  }
+
   // The rows are in host memory already: no copies.
   std::vector<TopCandidates> select_candidates(const Tensor& logits, const std::vector<int32_t>& rows,
                                                const std::vector<float>& temperature,

@@ -157,6 +157,15 @@ Tensor CudaBackend::upload_host_f32(const float* data, int64_t rows, int64_t col
   return t;
 }
 
+void CudaBackend::copy_rows(const Tensor& src, Tensor& dst) {
+  check(src.dtype == dst.dtype && src.rows == dst.rows && src.cols == dst.cols, "cuda backend: copy_rows shape mismatch");
+  if (src.rows == 0 || src.cols == 0) return;
+  const size_t elt = dtype_size(src.dtype);
+  const cudaStream_t s = staging_.eager_stream("copy_rows");
+  CUDA_CHECK(cudaMemcpy2DAsync(dst.data, dst.stride * elt, src.data, src.stride * elt, src.cols * elt, src.rows,
+                               cudaMemcpyDeviceToDevice, s));
+}
+
 std::vector<float> CudaBackend::to_host(const Tensor& t) {
   const cudaStream_t s = staging_.eager_stream("to_host");
   if (t.dtype == DType::F32 && !t.empty()) {

@@ -107,6 +107,7 @@ class CudaBackend final : public Backend {
   void sigmoid_mul(Tensor& x, const Tensor& gate) override;
   void add_sigmoid_scaled(Tensor& acc, const Tensor& y, const Tensor& gate) override;
   void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& out) override;
+  void copy_rows(const Tensor& src, Tensor& dst) override;
   std::vector<int32_t> argmax_rows(const Tensor& x) override;
   Tensor alloc_ids(int64_t n) override { return alloc_as(n, 1, DType::I32); }
   void argmax_ids(const Tensor& x, Tensor& ids) override;

@@ -246,8 +246,12 @@ TEST(Serving, HybridTurnsStartFromKeptStates) {
                     static_cast<long long>(hits - hits_before),
                     static_cast<long long>(server.stats().state_snapshots_taken));
         // A state was kept at the last page end of the last turn's prompt, at least.
-        if (snapshots != 0 && turn > 1) EXPECT_GE(hits - hits_before, static_cast<int64_t>(last_prompt / 4)) << what;
-        if (snapshots == 0) EXPECT_EQ(hits, 0) << what;
+        if (snapshots != 0 && turn > 1) {
+          EXPECT_GE(hits - hits_before, static_cast<int64_t>(last_prompt / 4)) << what;
+        }
+        if (snapshots == 0) {
+          EXPECT_EQ(hits, 0) << what;
+        }
         hits_before = hits;
         last_prompt = prompt.size();
         history = prompt;
@@ -255,8 +259,11 @@ TEST(Serving, HybridTurnsStartFromKeptStates) {
       }
       const ServingStats st = server.stats();
       EXPECT_EQ(st.kv_pages_used, 0);
-      if (snapshots != 0) EXPECT_GT(st.state_snapshots_taken, 0);
-      if (snapshots == 0) EXPECT_EQ(st.state_snapshots_taken, 0);
+      if (snapshots != 0) {
+        EXPECT_GT(st.state_snapshots_taken, 0);
+      } else {
+        EXPECT_EQ(st.state_snapshots_taken, 0);
+      }
     }
   }
 }

@@ -1,5 +1,6 @@
 #include "model/decoder_layers.h"
 
+#include <cstring>
 #include <utility>
 
 #include "util/error.h"
@@ -27,6 +28,22 @@ static TensorInfo row_slice(const TensorInfo& t, int64_t first, int64_t n) {
   f.data = t.data + static_cast<size_t>(first) * row_bytes;
   f.shape = {n, t.shape[1]};
   f.n_bytes = static_cast<size_t>(n) * row_bytes;
+  return f;
+}
+
+// Columns first..first+n of every row of a 2-D checkpoint tensor (or elements of a 1-D one),
+// copied into a buffer that `keep` owns.
+static TensorInfo col_slice(const TensorInfo& t, int64_t first, int64_t n, std::vector<std::vector<uint8_t>>& keep) {
+  const size_t elt = dtype_size(t.dtype);
+  const int64_t rows = t.shape.size() == 2 ? t.shape[0] : 1, cols = t.shape.back();
+  auto& buf = keep.emplace_back(static_cast<size_t>(rows * n) * elt);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(buf.data() + static_cast<size_t>(r * n) * elt, t.data + static_cast<size_t>(r * cols + first) * elt,
+                static_cast<size_t>(n) * elt);
+  TensorInfo f = t;
+  f.data = buf.data();
+  f.shape = t.shape.size() == 2 ? std::vector<int64_t>{rows, n} : std::vector<int64_t>{n};
+  f.n_bytes = buf.size();
   return f;
 }
 
@@ -166,13 +183,58 @@ static LayerWeights load_hybrid_layer(Backend& be, const TensorStore& s, const M
   return w;
 }
 
+// Rank tp.rank's shard of a dense attention + MLP layer (norms loaded): its heads' q/k/v rows and
+// o_proj columns, its features' gate/up rows and down_proj columns; the output biases on rank 0
+// only (the ranks' outputs are summed).
+static LayerWeights load_layer_shard(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
+                                     const TpRank& tp, LayerWeights w) {
+  const int64_t h = c.n_embd, d = c.head_dim, q_dim = int64_t{c.n_heads} * d, kv_dim = int64_t{c.n_kv_heads} * d;
+  const int64_t q_part = q_dim / tp.size, kv_part = kv_dim / tp.size, ff_part = c.n_ff / tp.size;
+  std::vector<std::vector<uint8_t>> keep;
+  const TensorInfo& q = s.get(p + "self_attn.q_proj.weight", {q_dim, h});
+  const TensorInfo& k = s.get(p + "self_attn.k_proj.weight", {kv_dim, h});
+  const TensorInfo& v = s.get(p + "self_attn.v_proj.weight", {kv_dim, h});
+  const TensorInfo qs = row_slice(q, tp.rank * q_part, q_part), ks = row_slice(k, tp.rank * kv_part, kv_part),
+                   vs = row_slice(v, tp.rank * kv_part, kv_part);
+  w.qkv = be.upload({&qs, &ks, &vs});
+  const TensorInfo o = col_slice(s.get(p + "self_attn.o_proj.weight", {h, q_dim}), tp.rank * q_part, q_part, keep);
+  w.o = be.upload({&o});
+  if (c.attention_bias) {
+    const TensorInfo qb = col_slice(s.get(p + "self_attn.q_proj.bias", {q_dim}), tp.rank * q_part, q_part, keep);
+    const TensorInfo kb = col_slice(s.get(p + "self_attn.k_proj.bias", {kv_dim}), tp.rank * kv_part, kv_part, keep);
+    const TensorInfo vb = col_slice(s.get(p + "self_attn.v_proj.bias", {kv_dim}), tp.rank * kv_part, kv_part, keep);
+    w.qkv_bias = be.upload({&qb, &kb, &vb});
+    if (tp.rank == 0) w.o_bias = be.upload({&s.get(p + "self_attn.o_proj.bias", {h})});
+  }
+  if (c.qk_norm) {
+    w.q_norm = be.upload({&s.get(p + "self_attn.q_norm.weight", {c.head_dim})});
+    w.k_norm = be.upload({&s.get(p + "self_attn.k_norm.weight", {c.head_dim})});
+  }
+  const TensorInfo gate = row_slice(s.get(p + "mlp.gate_proj.weight", {c.n_ff, h}), tp.rank * ff_part, ff_part);
+  const TensorInfo up = row_slice(s.get(p + "mlp.up_proj.weight", {c.n_ff, h}), tp.rank * ff_part, ff_part);
+  w.gate_up = be.upload({&gate, &up});
+  const TensorInfo down = col_slice(s.get(p + "mlp.down_proj.weight", {h, c.n_ff}), tp.rank * ff_part, ff_part, keep);
+  w.down = be.upload({&down});
+  if (c.mlp_bias) {
+    const TensorInfo gb = col_slice(s.get(p + "mlp.gate_proj.bias", {c.n_ff}), tp.rank * ff_part, ff_part, keep);
+    const TensorInfo ub = col_slice(s.get(p + "mlp.up_proj.bias", {c.n_ff}), tp.rank * ff_part, ff_part, keep);
+    w.gate_up_bias = be.upload({&gb, &ub});
+    if (tp.rank == 0) w.down_bias = be.upload({&s.get(p + "mlp.down_proj.bias", {h})});
+  }
+  return w;
+}
+
 LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i,
-                        const Tensor* qkv) {
+                        const Tensor* qkv, const TpRank& tp) {
   const std::string p = cat(prefix, "layers.", i, ".");
   const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   LayerWeights w;
   w.attn_norm = load_norm(be, s, c, p + "input_layernorm.weight", h);
   w.mlp_norm = load_norm(be, s, c, p + "post_attention_layernorm.weight", h);
+  if (tp.sharded()) {
+    (void)shard_config(c, tp, p);  // the shapes divide, the layer kinds are covered
+    return load_layer_shard(be, s, c, p, tp, std::move(w));
+  }
   if (c.hybrid()) return load_hybrid_layer(be, s, c, p, i, std::move(w));
   w.qkv = qkv ? *qkv : be.upload(qkv_parts(s, c, prefix, i));
   w.o = be.upload({&s.get(p + "self_attn.o_proj.weight", {h, q_dim})});
@@ -284,6 +346,7 @@ static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w
                    in.cache->v[l], *in.segments, *in.positions, ap, t.attn);
   if (c.attn_output_gate) be.sigmoid_mul(t.attn, t.qkv.slice_cols(q_dim + 2 * kv_dim, q_dim));
   be.matmul(t.attn, w.o, opt(w.o_bias), t.delta);
+  if (in.comm) in.comm->all_reduce_sum(be, t.delta);  // the ranks' heads' shares
 }
 
 Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
@@ -341,6 +404,7 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), t.act, &t.gate_up);
     std::swap(cur, next);
     be.matmul(t.act, w.down, opt(w.down_bias), delta);
+    if (in.comm) in.comm->all_reduce_sum(be, delta);  // the ranks' features' shares
   }
   be.add_rms_norm(*cur, delta, x, final_norm, c.rms_norm_eps, h);  // x is the last layer's output
   for (Tensor& slice : capture_slices(layers.size() - 1)) be.capture_rows(x, slice);

@@ -10,6 +10,7 @@
 #include "formats/model_config.h"
 #include "formats/safetensors.h"
 #include "kernels/backend.h"
+#include "model/tensor_parallel.h"
 
 namespace dflash {
 
@@ -57,9 +58,10 @@ Tensor load_norm(Backend& be, const TensorStore& store, const ModelConfig& c, co
 // The q/k/v weight parts of layer i, in the order they stack (q_proj, k_proj, v_proj), shape-checked.
 std::vector<const TensorInfo*> qkv_parts(const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i);
 // Uploads layer i; with `qkv`, that tensor (already uploaded, e.g. a slice of several layers'
-// weights in one allocation) is its q/k/v weight.
+// weights in one allocation) is its q/k/v weight. With `tp` sharded, rank tp.rank's shard of it
+// (tensor_parallel.h; `c` is the whole model's config, the shapes checked are the checkpoint's).
 LayerWeights load_layer(Backend& be, const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i,
-                        const Tensor* qkv = nullptr);
+                        const Tensor* qkv = nullptr, const TpRank& tp = {});
 
 // Per-call inputs of the decoder stack.
 struct StackInputs {
@@ -77,6 +79,8 @@ struct StackInputs {
   // Hybrid models: each sequence's Gated DeltaNet state use (ForwardBatch::recurrent).
   const std::vector<RecurrentSegment>* recurrent = nullptr;
   const std::vector<float>* inv_freq = nullptr;  // set by run_decoder_layers
+  // Tensor-parallel ranks: the attention's and the MLP's outputs are summed across them.
+  Communicator* comm = nullptr;
 };
 
 // Runs all layers over `x` [rows, n_embd] (the residual stream, from Backend::alloc_f32, updated in place)

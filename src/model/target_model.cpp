@@ -6,17 +6,21 @@
 
 namespace dflash {
 
-TargetModel::TargetModel(Backend& be, const std::string& dir) : be_(be), dir_(dir), cfg_(load_model_config(dir)) {
+TargetModel::TargetModel(Backend& be, const std::string& dir, const TpRank& tp, Communicator* comm)
+    : be_(be), dir_(dir), comm_(comm), cfg_(load_model_config(dir)) {
+  check(!tp.sharded() || comm, "a tensor-parallel rank needs a communicator");
+  const ModelConfig shard = shard_config(cfg_, tp, dir);  // refused here, before any weight is read
   check(!cfg_.hybrid() || be.has_gated_delta_net(), dir, ": ", cfg_.architecture, " has Gated DeltaNet layers, which the ",
         be.name(), " backend does not implement yet (use --device cpu)");
   const TensorStore store = TensorStore::open(dir);
   const int64_t v = cfg_.n_vocab, h = cfg_.n_embd;
   const std::string& prefix = cfg_.weight_prefix;
   w_.embed = be.upload({&store.get(prefix + "embed_tokens.weight", {v, h})});
-  for (int i = 0; i < cfg_.n_layers; ++i) w_.layers.push_back(load_layer(be, store, cfg_, prefix, i));
+  for (int i = 0; i < cfg_.n_layers; ++i) w_.layers.push_back(load_layer(be, store, cfg_, prefix, i, nullptr, tp));
   w_.final_norm = load_norm(be, store, cfg_, prefix + "norm.weight", h);
   w_.lm_head = cfg_.tie_embeddings ? w_.embed : be.upload({&store.get("lm_head.weight", {v, h})});
   inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.rotary_dim());
+  cfg_ = shard;  // the rank's heads and features from here on
   expert_rows_.resize(w_.layers.size());
   for (size_t l = 0; l < w_.layers.size(); ++l)
     if (!w_.layers[l].moe.empty()) expert_rows_[l] = be.alloc_ids(cfg_.moe.n_experts);
@@ -126,6 +130,7 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
   in.segments = &batch.segments;
   in.cache = &cache;
   in.expert_rows = &expert_rows_;
+  in.comm = comm_;
   if (cfg_.hybrid()) {
     check(batch.recurrent.size() == batch.segments.size(), "a hybrid target's forward needs a state slot per sequence");
     in.recurrent = &batch.recurrent;

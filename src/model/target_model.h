@@ -22,7 +22,10 @@ struct TargetWeights {
 
 class TargetModel {
  public:
-  TargetModel(Backend& be, const std::string& dir);
+  // With `tp` sharded: rank tp.rank's shard (tensor_parallel.h), whose forwards sum their layers'
+  // outputs through `comm` with the other ranks' (which run theirs at the same time); config()
+  // is then the rank's shape (its heads, KV heads and features).
+  TargetModel(Backend& be, const std::string& dir, const TpRank& tp = {}, Communicator* comm = nullptr);
 
   struct Output {
     Tensor logits;    // [batch.logit_rows.size(), n_vocab]
@@ -57,6 +60,7 @@ class TargetModel {
  private:
   Backend& be_;
   std::string dir_;
+  Communicator* comm_;
   ModelConfig cfg_;
   TargetWeights w_;
   std::vector<float> inv_freq_;

@@ -1,0 +1,47 @@
+#include "model/tensor_parallel.h"
+
+#include <cstring>
+
+#include "util/error.h"
+
+namespace dflash {
+
+ModelConfig shard_config(const ModelConfig& full, const TpRank& tp, const std::string& where) {
+  check(tp.size >= 1 && tp.rank >= 0 && tp.rank < tp.size, "tensor parallel rank ", tp.rank, " of ", tp.size,
+        " is not a rank of the group");
+  if (!tp.sharded()) return full;
+  check(full.moe_layer.empty(), where, ": tensor parallelism does not shard routed experts yet");
+  check(!full.hybrid(), where, ": tensor parallelism does not shard Gated DeltaNet layers yet");
+  auto divide = [&](int n, const char* field) {
+    check(n % tp.size == 0, where, ": ", field, " (", n, ") is not a multiple of the tensor-parallel size (", tp.size,
+          ")");
+    return n / tp.size;
+  };
+  ModelConfig c = full;
+  c.n_heads = divide(full.n_heads, "num_attention_heads");
+  c.n_kv_heads = divide(full.n_kv_heads, "num_key_value_heads");
+  c.n_ff = divide(full.n_ff, "intermediate_size");
+  return c;
+}
+
+HostGroup::HostGroup(int size) : size_(size), barrier_(size), published_(static_cast<size_t>(size), nullptr) {
+  check(size >= 1, "a tensor-parallel group needs at least one rank");
+}
+
+void HostCommunicator::all_reduce_sum(Backend& be, Tensor& t) {
+  check(be.name() == "cpu" && t.dtype == DType::F32, "host tensor parallelism runs on CPU backends (float32 tensors)");
+  if (group_.size_ == 1) return;
+  group_.published_[static_cast<size_t>(rank_)] = &t;
+  group_.barrier_.arrive_and_wait();  // every rank's partial sums are in place
+  std::vector<float> sum(static_cast<size_t>(t.rows * t.cols));
+  for (int r = 0; r < group_.size_; ++r) {
+    const Tensor& p = *group_.published_[static_cast<size_t>(r)];
+    check(p.rows == t.rows && p.cols == t.cols, "tensor parallel ranks reduce tensors of different shapes");
+    for (int64_t i = 0; i < t.rows; ++i)
+      for (int64_t j = 0; j < t.cols; ++j) sum[static_cast<size_t>(i * t.cols + j)] += p.row_f32(i)[j];
+  }
+  group_.barrier_.arrive_and_wait();  // every rank has read every rank's tensor
+  for (int64_t i = 0; i < t.rows; ++i) std::memcpy(t.row_f32(i), sum.data() + i * t.cols, sizeof(float) * t.cols);
+}
+
+}  // namespace dflash

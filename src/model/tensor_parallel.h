@@ -1,0 +1,60 @@
+// Tensor parallelism, Megatron style: rank r of N holds heads [r*H/N, (r+1)*H/N) of every
+// attention layer (their q/k/v rows and o_proj's columns) and an N-th of every MLP's features
+// (gate/up rows, down_proj's columns); embedding, norms and lm_head are whole on every rank. Each
+// rank runs the ordinary forward over its shard; the attention's and the MLP's outputs, partial
+// sums over the ranks' heads and features, are summed across ranks (Communicator) before they join
+// the residual stream, which so stays the same on every rank.
+#pragma once
+
+#include <barrier>
+#include <mutex>
+#include <vector>
+
+#include "formats/model_config.h"
+#include "kernels/backend.h"
+
+namespace dflash {
+
+struct TpRank {
+  int rank = 0, size = 1;
+  bool sharded() const { return size > 1; }
+};
+
+// The shape one rank runs: heads, KV heads and MLP features divided by the group size. Error
+// naming the field when it does not divide, or for layers sharding does not cover yet (routed
+// experts, Gated DeltaNet).
+ModelConfig shard_config(const ModelConfig& full, const TpRank& tp, const std::string& where);
+
+// Sums a tensor across the ranks of a group, every rank ending with the same values.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
+};
+
+// Ranks that are threads of this process on CPU backends (tests, and the CPU's own tensor
+// parallelism): every rank publishes its tensor, then each adds them up in rank order, so every
+// rank holds the same bits.
+class HostGroup {
+ public:
+  explicit HostGroup(int size);
+  int size() const { return size_; }
+
+ private:
+  friend class HostCommunicator;
+  int size_;
+  std::barrier<> barrier_;
+  std::vector<const Tensor*> published_;
+};
+
+class HostCommunicator final : public Communicator {
+ public:
+  HostCommunicator(HostGroup& group, int rank) : group_(group), rank_(rank) {}
+  void all_reduce_sum(Backend& be, Tensor& t) override;
+
+ private:
+  HostGroup& group_;
+  int rank_;
+};
+
+}  // namespace dflash

@@ -1,0 +1,101 @@
+// Tensor parallelism on CPU ranks (threads of this process, HostGroup): every rank of a sharded
+// target gives the whole model's logits, prefill and decode, with the same bits on every rank;
+// shapes that do not divide and layers sharding does not cover are refused by name.
+#include <gtest/gtest.h>
+
+#include <exception>
+#include <thread>
+
+#include "kernels/backend.h"
+#include "model/forward_batch.h"
+#include "model/target_model.h"
+#include "model/tensor_parallel.h"
+#include "test_util.h"
+#include "util/error.h"
+
+namespace dflash {
+namespace {
+
+using test::fixture;
+
+// Logits of a 9-token prefill, then of one decoded token after it.
+std::vector<float> prefill_and_decode(Backend& be, TargetModel& m) {
+  const std::vector<int32_t> ids = {5, 17, 200, 3, 99, 42, 7, 8, 1};
+  KvCache cache = m.alloc_cache(2, 16);
+  const std::vector<int32_t> pages = {1, 0};
+  ForwardBatch b(16);
+  b.add_sequence(ids, 0, pages, true, {0});
+  for (int32_t r = 0; r < b.n_rows(); ++r) b.logit_rows.push_back(r);
+  std::vector<float> out = be.to_host(m.forward(b, cache).logits);
+  ForwardBatch d(16);
+  d.add_sequence({77}, static_cast<int32_t>(ids.size()), pages, true, {0});
+  d.logit_rows = {0};
+  const std::vector<float> next = be.to_host(m.forward(d, cache).logits);
+  out.insert(out.end(), next.begin(), next.end());
+  return out;
+}
+
+// The logits of every rank of a group of `size` over target `dir`.
+std::vector<std::vector<float>> sharded_logits(const std::string& dir, int size) {
+  HostGroup group(size);
+  std::vector<std::vector<float>> logits(static_cast<size_t>(size));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < size; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        auto be = make_cpu_backend();
+        HostCommunicator comm(group, r);
+        TargetModel m(*be, dir, {r, size}, &comm);
+        logits[static_cast<size_t>(r)] = prefill_and_decode(*be, m);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  return logits;
+}
+
+TEST(TensorParallel, EveryRankGivesTheWholeModelsLogits) {
+  const struct {
+    const char* target;
+    int size;
+  } cases[] = {{"qwen3_gqa_tied", 2}, {"llama_gqa4_bias_sharded", 2}, {"qwen3_mha_untied_bf16", 2},
+               {"qwen3_mha_untied_bf16", 4}};
+  for (const auto& c : cases) {
+    const std::string dir = fixture(std::string("targets/") + c.target);
+    auto be = make_cpu_backend();
+    TargetModel whole(*be, dir);
+    const std::vector<float> want = prefill_and_decode(*be, whole);
+    const auto got = sharded_logits(dir, c.size);
+    const double err = test::max_rel_error(got[0], want);
+    std::printf("[%s] %d ranks: max rel error %.2e vs one\n", c.target, c.size, err);
+    EXPECT_LT(err, 1e-5) << c.target << ", " << c.size << " ranks";
+    for (int r = 1; r < c.size; ++r)
+      EXPECT_EQ(got[static_cast<size_t>(r)], got[0]) << c.target << ": rank " << r << " differs from rank 0";
+  }
+}
+
+TEST(TensorParallel, ShapesThatDoNotDivideAndUncoveredLayersAreRefused) {
+  auto expect_refused = [](const char* target, int size, const std::string& what) {
+    auto be = make_cpu_backend();
+    HostGroup group(size);
+    HostCommunicator comm(group, 0);
+    try {
+      TargetModel m(*be, fixture(std::string("targets/") + target), {0, size}, &comm);
+      ADD_FAILURE() << target << " loaded as " << size << " ranks";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  expect_refused("qwen3_gqa_tied", 3, "num_attention_heads");   // 4 heads
+  expect_refused("qwen3_gqa_tied", 4, "num_key_value_heads");   // 2 KV heads
+  expect_refused("qwen3_moe_tied", 2, "routed experts");
+  expect_refused("qwen3_5_tied", 2, "Gated DeltaNet");
+}
+
+}  // namespace
+}  // namespace dflash

@@ -1,6 +1,6 @@
 // Tensor parallelism on CPU ranks (threads of this process, HostGroup): every rank of a sharded
-// target gives the whole model's logits, prefill and decode, with the same bits on every rank;
-// shapes that do not divide and layers sharding does not cover are refused by name.
+// target (dense, routed, Qwen3.5 and Qwen3-Next hybrids) gives the whole model's logits, prefill
+// and decode, with the same bits on every rank; shapes that do not divide are refused by name.
 #include <gtest/gtest.h>
 
 #include <exception>
@@ -63,8 +63,9 @@ TEST(TensorParallel, EveryRankGivesTheWholeModelsLogits) {
   const struct {
     const char* target;
     int size;
-  } cases[] = {{"qwen3_gqa_tied", 2}, {"llama_gqa4_bias_sharded", 2}, {"qwen3_mha_untied_bf16", 2},
-               {"qwen3_mha_untied_bf16", 4}};
+  } cases[] = {{"qwen3_gqa_tied", 2},       {"llama_gqa4_bias_sharded", 2}, {"qwen3_mha_untied_bf16", 2},
+               {"qwen3_mha_untied_bf16", 4}, {"qwen3_moe_tied", 2},          {"qwen3_moe_untied_bf16", 4},
+               {"qwen3_5_tied", 2},          {"qwen3_5_moe_untied_bf16", 2}, {"qwen3_next_untied", 2}};
   for (const auto& c : cases) {
     const std::string dir = fixture(std::string("targets/") + c.target);
     auto be = make_cpu_backend();
@@ -79,7 +80,7 @@ TEST(TensorParallel, EveryRankGivesTheWholeModelsLogits) {
   }
 }
 
-TEST(TensorParallel, ShapesThatDoNotDivideAndUncoveredLayersAreRefused) {
+TEST(TensorParallel, ShapesThatDoNotDivideAreRefused) {
   auto expect_refused = [](const char* target, int size, const std::string& what) {
     auto be = make_cpu_backend();
     HostGroup group(size);
@@ -93,8 +94,8 @@ TEST(TensorParallel, ShapesThatDoNotDivideAndUncoveredLayersAreRefused) {
   };
   expect_refused("qwen3_gqa_tied", 3, "num_attention_heads");   // 4 heads
   expect_refused("qwen3_gqa_tied", 4, "num_key_value_heads");   // 2 KV heads
-  expect_refused("qwen3_moe_tied", 2, "routed experts");
-  expect_refused("qwen3_5_tied", 2, "Gated DeltaNet");
+  expect_refused("qwen3_moe_untied_bf16", 3, "num_attention_heads");
+  expect_refused("qwen3_5_moe_untied_bf16", 4, "linear_num_key_heads");  // 2 key heads
 }
 
 }  // namespace

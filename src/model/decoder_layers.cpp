@@ -66,29 +66,74 @@ Tensor load_norm(Backend& be, const TensorStore& s, const ModelConfig& c, const 
   return be.upload_host(w.data(), 1, n);
 }
 
-// Qwen3.5's gated attention: q_proj holds [query | gate] per head; the q/k/v weight takes the
-// query rows, k_proj, v_proj, then the gate rows (so that q, k, v lie where attention expects them).
-static Tensor load_gated_qkv(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p) {
+// The rank's share of n things (heads, features): [first, first + count); all of them unsharded.
+struct Share {
+  int64_t first, count;
+};
+static Share share_of(int64_t n, const TpRank& tp) { return {tp.rank * (n / tp.size), n / tp.size}; }
+
+// Rows [sh.first, sh.first + sh.count) times `unit` of a 2-D checkpoint tensor.
+static TensorInfo rows_of(const TensorInfo& t, Share sh, int64_t unit = 1) {
+  return row_slice(t, sh.first * unit, sh.count * unit);
+}
+
+// Columns [sh.first, sh.first + sh.count) of a 2-D tensor (elements of a 1-D one); the tensor
+// itself when that is all of them, else a copy that `keep` owns.
+static TensorInfo cols_of(const TensorInfo& t, Share sh, std::vector<std::vector<uint8_t>>& keep) {
+  return sh.first == 0 && sh.count == t.shape.back() ? t : col_slice(t, sh.first, sh.count, keep);
+}
+
+// Uploads parts held by value, in order.
+static Tensor upload_all(Backend& be, const std::vector<TensorInfo>& parts) {
+  std::vector<const TensorInfo*> ptrs;
+  for (const TensorInfo& t : parts) ptrs.push_back(&t);
+  return be.upload(ptrs);
+}
+
+// The attention: q/k/v rows of the rank's heads (Qwen3.5's gated attention: q_proj holds
+// [query | gate] per head; the q/k/v weight takes the query rows, k_proj, v_proj, then the gate
+// rows, so that q, k, v lie where attention expects them), o_proj's columns of those heads, q/k
+// norms; the output bias on rank 0 only (the ranks' outputs are summed).
+static void load_attention(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
+                           const TpRank& tp, const Tensor* qkv, LayerWeights& w) {
   const int64_t h = c.n_embd, d = c.head_dim, q_dim = int64_t{c.n_heads} * d, kv_dim = int64_t{c.n_kv_heads} * d;
-  const TensorInfo& q = s.get(p + "self_attn.q_proj.weight", {2 * q_dim, h});
-  std::vector<TensorInfo> slices;
-  for (int part = 0; part < 2; ++part)
-    for (int head = 0; head < c.n_heads; ++head) slices.push_back(row_slice(q, (2 * head + part) * d, d));
-  std::vector<const TensorInfo*> parts;
-  for (int head = 0; head < c.n_heads; ++head) parts.push_back(&slices[static_cast<size_t>(head)]);
-  parts.push_back(&s.get(p + "self_attn.k_proj.weight", {kv_dim, h}));
-  parts.push_back(&s.get(p + "self_attn.v_proj.weight", {kv_dim, h}));
-  for (int head = 0; head < c.n_heads; ++head) parts.push_back(&slices[static_cast<size_t>(c.n_heads + head)]);
-  return be.upload(parts);
+  const Share heads = share_of(c.n_heads, tp), kv = share_of(c.n_kv_heads, tp);
+  std::vector<std::vector<uint8_t>> keep;
+  const TensorInfo& k = s.get(p + "self_attn.k_proj.weight", {kv_dim, h});
+  const TensorInfo& v = s.get(p + "self_attn.v_proj.weight", {kv_dim, h});
+  if (c.attn_output_gate) {
+    const TensorInfo& q = s.get(p + "self_attn.q_proj.weight", {2 * q_dim, h});
+    std::vector<TensorInfo> parts;
+    for (int64_t head = heads.first; head < heads.first + heads.count; ++head) parts.push_back(row_slice(q, 2 * head * d, d));
+    parts.push_back(rows_of(k, kv, d));
+    parts.push_back(rows_of(v, kv, d));
+    for (int64_t head = heads.first; head < heads.first + heads.count; ++head)
+      parts.push_back(row_slice(q, (2 * head + 1) * d, d));
+    w.qkv = upload_all(be, parts);
+  } else {
+    const TensorInfo& q = s.get(p + "self_attn.q_proj.weight", {q_dim, h});
+    w.qkv = qkv && !tp.sharded() ? *qkv : upload_all(be, {rows_of(q, heads, d), rows_of(k, kv, d), rows_of(v, kv, d)});
+  }
+  w.o = upload_all(be, {cols_of(s.get(p + "self_attn.o_proj.weight", {h, q_dim}), {heads.first * d, heads.count * d}, keep)});
+  if (c.attention_bias) {
+    w.qkv_bias = upload_all(be, {cols_of(s.get(p + "self_attn.q_proj.bias", {q_dim}), {heads.first * d, heads.count * d}, keep),
+                                 cols_of(s.get(p + "self_attn.k_proj.bias", {kv_dim}), {kv.first * d, kv.count * d}, keep),
+                                 cols_of(s.get(p + "self_attn.v_proj.bias", {kv_dim}), {kv.first * d, kv.count * d}, keep)});
+    if (tp.rank == 0) w.o_bias = be.upload({&s.get(p + "self_attn.o_proj.bias", {h})});
+  }
+  if (c.qk_norm) {
+    w.q_norm = load_norm(be, s, c, p + "self_attn.q_norm.weight", c.head_dim);
+    w.k_norm = load_norm(be, s, c, p + "self_attn.k_norm.weight", c.head_dim);
+  }
 }
 
 // Qwen3-Next's fused projections in Qwen3.5's order [q | k | v | z | b | a] (each part all heads,
-// head-major). in_proj_qkvz holds per key head g its q (k_dim rows), k (k_dim), then v and z of
-// its r = n_v_heads / n_k_heads value heads (r * v_dim rows each); in_proj_ba per key head the b
-// rows of its value heads, then their a rows.
-static Tensor upload_fused_linear_in(Backend& be, const TensorInfo& qkvz, const TensorInfo& ba,
-                                     const LinearAttentionConfig& l) {
-  const int64_t nk = l.n_k_heads, dk = l.k_dim, r = l.n_v_heads / l.n_k_heads, rv = r * l.v_dim;
+// head-major), for key heads kh (and their value heads). in_proj_qkvz holds per key head g its q
+// (k_dim rows), k (k_dim), then v and z of its r = n_v_heads / n_k_heads value heads (r * v_dim rows
+// each); in_proj_ba per key head the b rows of its value heads, then their a rows.
+static std::vector<TensorInfo> fused_linear_in(const TensorInfo& qkvz, const TensorInfo& ba,
+                                               const LinearAttentionConfig& l, Share kh) {
+  const int64_t dk = l.k_dim, r = l.n_v_heads / l.n_k_heads, rv = r * l.v_dim;
   const int64_t group = 2 * dk + 2 * rv;
   // Part by part: (tensor, rows of a key head's group, offset in the group, rows).
   const struct { const TensorInfo* t; int64_t group, offset, rows; } parts[] = {
@@ -96,167 +141,123 @@ static Tensor upload_fused_linear_in(Backend& be, const TensorInfo& qkvz, const 
       {&qkvz, group, 2 * dk + rv, rv}, {&ba, 2 * r, 0, r}, {&ba, 2 * r, r, r}};
   std::vector<TensorInfo> slices;
   for (const auto& part : parts)
-    for (int64_t g = 0; g < nk; ++g) slices.push_back(row_slice(*part.t, g * part.group + part.offset, part.rows));
-  std::vector<const TensorInfo*> order;
-  for (const TensorInfo& t : slices) order.push_back(&t);
-  return be.upload(order);
+    for (int64_t g = kh.first; g < kh.first + kh.count; ++g)
+      slices.push_back(row_slice(*part.t, g * part.group + part.offset, part.rows));
+  return slices;
 }
 
-// Qwen3.5's Gated DeltaNet: the input projections as one weight, the convolution, gates and norm.
+// Qwen3.5's Gated DeltaNet for the rank's key heads and their value heads: the input projections
+// as one weight, their convolution channels, gates, the norm, out_proj's columns.
 static void load_linear_attention(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
-                                  LayerWeights& w) {
+                                  const TpRank& tp, LayerWeights& w) {
   const LinearAttentionConfig& l = c.linear;
-  const int64_t h = c.n_embd, conv_dim = l.conv_dim(), value_dim = l.value_dim(), nv = l.n_v_heads;
+  const int64_t h = c.n_embd, conv_dim = l.conv_dim(), key_dim = l.key_dim(), value_dim = l.value_dim();
+  const int64_t nv = l.n_v_heads, dk = l.k_dim, dv = l.v_dim;
+  const Share kh = share_of(l.n_k_heads, tp), vh = share_of(nv, tp);
+  std::vector<std::vector<uint8_t>> keep;
   const std::string a = p + "linear_attn.";
+  // Channel rows of [q | k | v] (in_proj_qkv, conv1d) that the rank's heads read.
+  auto channels = [&](const TensorInfo& t) {
+    return std::vector<TensorInfo>{row_slice(t, kh.first * dk, kh.count * dk),
+                                   row_slice(t, key_dim + kh.first * dk, kh.count * dk),
+                                   row_slice(t, 2 * key_dim + vh.first * dv, vh.count * dv)};
+  };
   if (s.find(a + "in_proj_qkvz.weight")) {
-    w.linear_in = upload_fused_linear_in(be, s.get(a + "in_proj_qkvz.weight", {conv_dim + value_dim, h}),
-                                         s.get(a + "in_proj_ba.weight", {2 * nv, h}), l);
+    w.linear_in = upload_all(be, fused_linear_in(s.get(a + "in_proj_qkvz.weight", {conv_dim + value_dim, h}),
+                                                 s.get(a + "in_proj_ba.weight", {2 * nv, h}), l, kh));
   } else {
-    w.linear_in = be.upload({&s.get(a + "in_proj_qkv.weight", {conv_dim, h}),
-                             &s.get(a + "in_proj_z.weight", {value_dim, h}), &s.get(a + "in_proj_b.weight", {nv, h}),
-                             &s.get(a + "in_proj_a.weight", {nv, h})});
+    std::vector<TensorInfo> parts = channels(s.get(a + "in_proj_qkv.weight", {conv_dim, h}));
+    parts.push_back(rows_of(s.get(a + "in_proj_z.weight", {value_dim, h}), vh, dv));
+    parts.push_back(rows_of(s.get(a + "in_proj_b.weight", {nv, h}), vh));
+    parts.push_back(rows_of(s.get(a + "in_proj_a.weight", {nv, h}), vh));
+    w.linear_in = upload_all(be, parts);
   }
-  const TensorInfo conv = flattened(s.get(a + "conv1d.weight", {conv_dim, 1, l.conv_kernel}));
-  w.linear.conv = be.upload({&conv});
-  w.linear.a_log = upload_f32(be, s.get(a + "A_log", {nv}));
-  w.linear.dt_bias = upload_f32(be, s.get(a + "dt_bias", {nv}));
+  w.linear.conv = upload_all(be, channels(flattened(s.get(a + "conv1d.weight", {conv_dim, 1, l.conv_kernel}))));
+  w.linear.a_log = upload_f32(be, cols_of(s.get(a + "A_log", {nv}), vh, keep));
+  w.linear.dt_bias = upload_f32(be, cols_of(s.get(a + "dt_bias", {nv}), vh, keep));
   w.linear.norm = be.upload({&s.get(a + "norm.weight", {l.v_dim})});
-  w.linear_out = be.upload({&s.get(a + "out_proj.weight", {h, value_dim})});
+  w.linear_out = upload_all(be, {cols_of(s.get(a + "out_proj.weight", {h, value_dim}), {vh.first * dv, vh.count * dv}, keep)});
 }
 
-// A routed MLP: the router and every expert's weights, each kind stacked in one upload. Reads the
-// hub's layout (mlp.experts.E.{gate,up,down}_proj.weight) and the stacked one transformers 5 keeps
-// in memory (mlp.experts.gate_up_proj [E, 2 * ff, h], mlp.experts.down_proj [E, h, ff]).
-static MoeWeights load_moe(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p) {
+// A SwiGLU MLP `p` (gate_proj, up_proj, down_proj) of n_ff features: the rank's features' gate/up
+// rows and down columns.
+static void load_swiglu(Backend& be, const TensorStore& s, const std::string& p, int64_t h, int64_t n_ff,
+                        const TpRank& tp, Tensor& gate_up, Tensor& down) {
+  const Share f = share_of(n_ff, tp);
+  std::vector<std::vector<uint8_t>> keep;
+  gate_up = upload_all(be, {rows_of(s.get(p + "gate_proj.weight", {n_ff, h}), f),
+                            rows_of(s.get(p + "up_proj.weight", {n_ff, h}), f)});
+  down = upload_all(be, {cols_of(s.get(p + "down_proj.weight", {h, n_ff}), f, keep)});
+}
+
+// A routed MLP: the router and every expert's weights (the rank's share of each expert's
+// features), each kind stacked in one upload. Reads the hub's layout
+// (mlp.experts.E.{gate,up,down}_proj.weight) and the stacked one transformers 5 keeps in memory
+// (mlp.experts.gate_up_proj [E, 2 * ff, h], mlp.experts.down_proj [E, h, ff]).
+static MoeWeights load_moe(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
+                           const TpRank& tp) {
   const MoeConfig& m = c.moe;
   const int64_t h = c.n_embd, ff = m.n_ff;
+  const Share f = share_of(ff, tp);
   MoeWeights w;
   w.n_experts = m.n_experts;
   w.top_k = m.top_k;
-  w.n_ff = m.n_ff;
+  w.n_ff = static_cast<int>(f.count);
   w.norm_topk_prob = m.norm_topk_prob;
   w.router = be.upload({&s.get(p + "gate.weight", {m.n_experts, h})});
-  if (s.find(p + "experts.gate_up_proj")) {
-    const TensorInfo gate_up = flattened(s.get(p + "experts.gate_up_proj", {m.n_experts, 2 * ff, h}));
-    const TensorInfo down = flattened(s.get(p + "experts.down_proj", {m.n_experts, h, ff}));
-    w.gate_up = be.upload({&gate_up});
-    w.down = be.upload({&down});
-    return w;
-  }
-  std::vector<const TensorInfo*> gate_up, down;
-  for (int e = 0; e < m.n_experts; ++e) {
-    const std::string ep = cat(p, "experts.", e, ".");
-    gate_up.push_back(&s.get(ep + "gate_proj.weight", {ff, h}));
-    gate_up.push_back(&s.get(ep + "up_proj.weight", {ff, h}));
-    down.push_back(&s.get(ep + "down_proj.weight", {h, ff}));
-  }
-  w.gate_up = be.upload(gate_up);
-  w.down = be.upload(down);
-  return w;
-}
-
-// A Qwen3.5 / Qwen3-Next layer (norms loaded): Gated DeltaNet or gated attention, then a dense
-// MLP or routed experts with a shared one.
-static LayerWeights load_hybrid_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
-                                      int i, LayerWeights w) {
-  const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim;
-  if (c.is_linear_layer(i)) {
-    load_linear_attention(be, s, c, p, w);
-  } else {
-    w.qkv = load_gated_qkv(be, s, c, p);
-    w.o = be.upload({&s.get(p + "self_attn.o_proj.weight", {h, q_dim})});
-    w.q_norm = load_norm(be, s, c, p + "self_attn.q_norm.weight", c.head_dim);
-    w.k_norm = load_norm(be, s, c, p + "self_attn.k_norm.weight", c.head_dim);
-  }
-  if (!c.is_moe_layer(i)) {
-    w.gate_up = be.upload({&s.get(p + "mlp.gate_proj.weight", {c.n_ff, h}), &s.get(p + "mlp.up_proj.weight", {c.n_ff, h})});
-    w.down = be.upload({&s.get(p + "mlp.down_proj.weight", {h, c.n_ff})});
-    return w;
-  }
-  w.moe = load_moe(be, s, c, p + "mlp.");
-  const int64_t sff = c.moe.shared_n_ff;
-  if (sff == 0) return w;  // Qwen3-Next may have none
-  const std::string e = p + "mlp.shared_expert.";
-  w.shared_gate_up = be.upload({&s.get(e + "gate_proj.weight", {sff, h}), &s.get(e + "up_proj.weight", {sff, h})});
-  w.shared_down = be.upload({&s.get(e + "down_proj.weight", {h, sff})});
-  w.shared_gate = be.upload({&s.get(p + "mlp.shared_expert_gate.weight", {1, h})});
-  return w;
-}
-
-// Rank tp.rank's shard of a dense attention + MLP layer (norms loaded): its heads' q/k/v rows and
-// o_proj columns, its features' gate/up rows and down_proj columns; the output biases on rank 0
-// only (the ranks' outputs are summed).
-static LayerWeights load_layer_shard(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
-                                     const TpRank& tp, LayerWeights w) {
-  const int64_t h = c.n_embd, d = c.head_dim, q_dim = int64_t{c.n_heads} * d, kv_dim = int64_t{c.n_kv_heads} * d;
-  const int64_t q_part = q_dim / tp.size, kv_part = kv_dim / tp.size, ff_part = c.n_ff / tp.size;
   std::vector<std::vector<uint8_t>> keep;
-  const TensorInfo& q = s.get(p + "self_attn.q_proj.weight", {q_dim, h});
-  const TensorInfo& k = s.get(p + "self_attn.k_proj.weight", {kv_dim, h});
-  const TensorInfo& v = s.get(p + "self_attn.v_proj.weight", {kv_dim, h});
-  const TensorInfo qs = row_slice(q, tp.rank * q_part, q_part), ks = row_slice(k, tp.rank * kv_part, kv_part),
-                   vs = row_slice(v, tp.rank * kv_part, kv_part);
-  w.qkv = be.upload({&qs, &ks, &vs});
-  const TensorInfo o = col_slice(s.get(p + "self_attn.o_proj.weight", {h, q_dim}), tp.rank * q_part, q_part, keep);
-  w.o = be.upload({&o});
-  if (c.attention_bias) {
-    const TensorInfo qb = col_slice(s.get(p + "self_attn.q_proj.bias", {q_dim}), tp.rank * q_part, q_part, keep);
-    const TensorInfo kb = col_slice(s.get(p + "self_attn.k_proj.bias", {kv_dim}), tp.rank * kv_part, kv_part, keep);
-    const TensorInfo vb = col_slice(s.get(p + "self_attn.v_proj.bias", {kv_dim}), tp.rank * kv_part, kv_part, keep);
-    w.qkv_bias = be.upload({&qb, &kb, &vb});
-    if (tp.rank == 0) w.o_bias = be.upload({&s.get(p + "self_attn.o_proj.bias", {h})});
+  std::vector<TensorInfo> gate_up, down;
+  if (s.find(p + "experts.gate_up_proj")) {
+    const TensorInfo all_gate_up = flattened(s.get(p + "experts.gate_up_proj", {m.n_experts, 2 * ff, h}));
+    const TensorInfo all_down = flattened(s.get(p + "experts.down_proj", {m.n_experts, h, ff}));
+    if (!tp.sharded()) {
+      w.gate_up = be.upload({&all_gate_up});
+      w.down = be.upload({&all_down});
+      return w;
+    }
+    for (int64_t e = 0; e < m.n_experts; ++e) {
+      gate_up.push_back(row_slice(all_gate_up, e * 2 * ff + f.first, f.count));
+      gate_up.push_back(row_slice(all_gate_up, e * 2 * ff + ff + f.first, f.count));
+      down.push_back(cols_of(row_slice(all_down, e * h, h), f, keep));
+    }
+  } else {
+    for (int e = 0; e < m.n_experts; ++e) {
+      const std::string ep = cat(p, "experts.", e, ".");
+      gate_up.push_back(rows_of(s.get(ep + "gate_proj.weight", {ff, h}), f));
+      gate_up.push_back(rows_of(s.get(ep + "up_proj.weight", {ff, h}), f));
+      down.push_back(cols_of(s.get(ep + "down_proj.weight", {h, ff}), f, keep));
+    }
   }
-  if (c.qk_norm) {
-    w.q_norm = be.upload({&s.get(p + "self_attn.q_norm.weight", {c.head_dim})});
-    w.k_norm = be.upload({&s.get(p + "self_attn.k_norm.weight", {c.head_dim})});
-  }
-  const TensorInfo gate = row_slice(s.get(p + "mlp.gate_proj.weight", {c.n_ff, h}), tp.rank * ff_part, ff_part);
-  const TensorInfo up = row_slice(s.get(p + "mlp.up_proj.weight", {c.n_ff, h}), tp.rank * ff_part, ff_part);
-  w.gate_up = be.upload({&gate, &up});
-  const TensorInfo down = col_slice(s.get(p + "mlp.down_proj.weight", {h, c.n_ff}), tp.rank * ff_part, ff_part, keep);
-  w.down = be.upload({&down});
-  if (c.mlp_bias) {
-    const TensorInfo gb = col_slice(s.get(p + "mlp.gate_proj.bias", {c.n_ff}), tp.rank * ff_part, ff_part, keep);
-    const TensorInfo ub = col_slice(s.get(p + "mlp.up_proj.bias", {c.n_ff}), tp.rank * ff_part, ff_part, keep);
-    w.gate_up_bias = be.upload({&gb, &ub});
-    if (tp.rank == 0) w.down_bias = be.upload({&s.get(p + "mlp.down_proj.bias", {h})});
-  }
+  w.gate_up = upload_all(be, gate_up);
+  w.down = upload_all(be, down);
   return w;
 }
 
 LayerWeights load_layer(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i,
                         const Tensor* qkv, const TpRank& tp) {
   const std::string p = cat(prefix, "layers.", i, ".");
-  const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  const int64_t h = c.n_embd;
+  if (tp.sharded()) (void)shard_config(c, tp, p);  // the shapes divide
   LayerWeights w;
   w.attn_norm = load_norm(be, s, c, p + "input_layernorm.weight", h);
   w.mlp_norm = load_norm(be, s, c, p + "post_attention_layernorm.weight", h);
-  if (tp.sharded()) {
-    (void)shard_config(c, tp, p);  // the shapes divide, the layer kinds are covered
-    return load_layer_shard(be, s, c, p, tp, std::move(w));
-  }
-  if (c.hybrid()) return load_hybrid_layer(be, s, c, p, i, std::move(w));
-  w.qkv = qkv ? *qkv : be.upload(qkv_parts(s, c, prefix, i));
-  w.o = be.upload({&s.get(p + "self_attn.o_proj.weight", {h, q_dim})});
-  if (c.attention_bias) {
-    w.qkv_bias = be.upload({&s.get(p + "self_attn.q_proj.bias", {q_dim}), &s.get(p + "self_attn.k_proj.bias", {kv_dim}),
-                            &s.get(p + "self_attn.v_proj.bias", {kv_dim})});
-    w.o_bias = be.upload({&s.get(p + "self_attn.o_proj.bias", {h})});
-  }
-  if (c.qk_norm) {
-    w.q_norm = be.upload({&s.get(p + "self_attn.q_norm.weight", {c.head_dim})});
-    w.k_norm = be.upload({&s.get(p + "self_attn.k_norm.weight", {c.head_dim})});
-  }
-  if (c.is_moe_layer(i)) {
-    w.moe = load_moe(be, s, c, p + "mlp.");
+  if (c.is_linear_layer(i)) load_linear_attention(be, s, c, p, tp, w);
+  else load_attention(be, s, c, p, tp, qkv, w);
+  if (!c.is_moe_layer(i)) {
+    load_swiglu(be, s, p + "mlp.", h, c.n_ff, tp, w.gate_up, w.down);
+    if (c.mlp_bias) {
+      const Share f = share_of(c.n_ff, tp);
+      std::vector<std::vector<uint8_t>> keep;
+      w.gate_up_bias = upload_all(be, {cols_of(s.get(p + "mlp.gate_proj.bias", {c.n_ff}), f, keep),
+                                       cols_of(s.get(p + "mlp.up_proj.bias", {c.n_ff}), f, keep)});
+      if (tp.rank == 0) w.down_bias = be.upload({&s.get(p + "mlp.down_proj.bias", {h})});
+    }
     return w;
   }
-  w.gate_up = be.upload({&s.get(p + "mlp.gate_proj.weight", {c.n_ff, h}), &s.get(p + "mlp.up_proj.weight", {c.n_ff, h})});
-  w.down = be.upload({&s.get(p + "mlp.down_proj.weight", {h, c.n_ff})});
-  if (c.mlp_bias) {
-    w.gate_up_bias = be.upload({&s.get(p + "mlp.gate_proj.bias", {c.n_ff}), &s.get(p + "mlp.up_proj.bias", {c.n_ff})});
-    w.down_bias = be.upload({&s.get(p + "mlp.down_proj.bias", {h})});
-  }
+  w.moe = load_moe(be, s, c, p + "mlp.", tp);
+  if (c.moe.shared_n_ff == 0) return w;  // Qwen3-MoE has none, Qwen3-Next may have none
+  load_swiglu(be, s, p + "mlp.shared_expert.", h, c.moe.shared_n_ff, tp, w.shared_gate_up, w.shared_down);
+  w.shared_gate = be.upload({&s.get(p + "mlp.shared_expert_gate.weight", {1, h})});
   return w;
 }
 
@@ -337,6 +338,7 @@ static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w
     be.gated_delta_net(t.proj, w.linear, lp, in.cache->recurrent, static_cast<int>(l), *in.recurrent, t.core,
                        t.gdn.empty() ? nullptr : &t.gdn);
     be.matmul(t.core, w.linear_out, nullptr, t.delta);
+    if (in.comm) in.comm->all_reduce_sum(be, t.delta);  // the ranks' heads' shares
     return;
   }
   const int64_t q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
@@ -399,6 +401,7 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
         be.matmul(h, w.shared_gate, nullptr, t.shared_gate);
         be.add_sigmoid_scaled(delta, t.shared_y, t.shared_gate);
       }
+      if (in.comm) in.comm->all_reduce_sum(be, delta);  // the ranks' shares of every expert's features
       continue;
     }
     be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), t.act, &t.gate_up);

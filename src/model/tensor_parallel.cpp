@@ -10,8 +10,6 @@ ModelConfig shard_config(const ModelConfig& full, const TpRank& tp, const std::s
   check(tp.size >= 1 && tp.rank >= 0 && tp.rank < tp.size, "tensor parallel rank ", tp.rank, " of ", tp.size,
         " is not a rank of the group");
   if (!tp.sharded()) return full;
-  check(full.moe_layer.empty(), where, ": tensor parallelism does not shard routed experts yet");
-  check(!full.hybrid(), where, ": tensor parallelism does not shard Gated DeltaNet layers yet");
   auto divide = [&](int n, const char* field) {
     check(n % tp.size == 0, where, ": ", field, " (", n, ") is not a multiple of the tensor-parallel size (", tp.size,
           ")");
@@ -20,7 +18,15 @@ ModelConfig shard_config(const ModelConfig& full, const TpRank& tp, const std::s
   ModelConfig c = full;
   c.n_heads = divide(full.n_heads, "num_attention_heads");
   c.n_kv_heads = divide(full.n_kv_heads, "num_key_value_heads");
-  c.n_ff = divide(full.n_ff, "intermediate_size");
+  if (full.n_ff > 0) c.n_ff = divide(full.n_ff, "intermediate_size");
+  if (!full.moe_layer.empty()) {
+    c.moe.n_ff = divide(full.moe.n_ff, "moe_intermediate_size");
+    if (full.moe.shared_n_ff > 0) c.moe.shared_n_ff = divide(full.moe.shared_n_ff, "shared_expert_intermediate_size");
+  }
+  if (full.hybrid()) {
+    c.linear.n_k_heads = divide(full.linear.n_k_heads, "linear_num_key_heads");
+    c.linear.n_v_heads = divide(full.linear.n_v_heads, "linear_num_value_heads");
+  }
   return c;
 }
 

@@ -1,6 +1,9 @@
 // Tensor parallelism, Megatron style: rank r of N holds heads [r*H/N, (r+1)*H/N) of every
-// attention layer (their q/k/v rows and o_proj's columns) and an N-th of every MLP's features
-// (gate/up rows, down_proj's columns); embedding, norms and lm_head are whole on every rank. Each
+// attention layer (their q/k/v rows and o_proj's columns), of every Gated DeltaNet layer its key
+// heads' share with their value heads (projection rows, convolution channels, gates, out_proj's
+// columns) and an N-th of every MLP's features, each routed expert's and the shared expert's
+// included (gate/up rows, down_proj's columns; the router is whole, so every rank routes alike);
+// embedding, norms and lm_head are whole on every rank. Each
 // rank runs the ordinary forward over its shard; the attention's and the MLP's outputs, partial
 // sums over the ranks' heads and features, are summed across ranks (Communicator) before they join
 // the residual stream, which so stays the same on every rank.
@@ -20,9 +23,8 @@ struct TpRank {
   bool sharded() const { return size > 1; }
 };
 
-// The shape one rank runs: heads, KV heads and MLP features divided by the group size. Error
-// naming the field when it does not divide, or for layers sharding does not cover yet (routed
-// experts, Gated DeltaNet).
+// The shape one rank runs: heads, KV heads, linear-attention heads and MLP features divided by the
+// group size. Error naming the field when one does not divide.
 ModelConfig shard_config(const ModelConfig& full, const TpRank& tp, const std::string& where);
 
 // Sums a tensor across the ranks of a group, every rank ending with the same values.

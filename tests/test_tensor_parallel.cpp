@@ -48,8 +48,9 @@ std::vector<std::vector<float>> sharded_logits(const std::string& dir, int size)
         HostCommunicator comm(group, r);
         TargetModel m(*be, dir, {r, size}, &comm);
         logits[static_cast<size_t>(r)] = prefill_and_decode(*be, m);
-      } catch (...) {
+      } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = std::current_exception();
+        group.abort(e.what());
       }
     });
   }
@@ -78,6 +79,37 @@ TEST(TensorParallel, EveryRankGivesTheWholeModelsLogits) {
     for (int r = 1; r < c.size; ++r)
       EXPECT_EQ(got[static_cast<size_t>(r)], got[0]) << c.target << ": rank " << r << " differs from rank 0";
   }
+}
+
+// A rank that fails stops the others (they would wait for its partial sums forever): each throws
+// an error that names the failure.
+TEST(TensorParallel, AFailingRankStopsTheOthers) {
+  const std::string dir = fixture("targets/qwen3_gqa_tied");
+  HostGroup group(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        auto be = make_cpu_backend();
+        HostCommunicator comm(group, r);
+        TargetModel m(*be, dir, {r, 2}, &comm);
+        KvCache cache = m.alloc_cache(2, r == 0 ? 16 : 8);  // rank 1's cache does not fit the batch
+        const std::vector<int32_t> pages = {1, 0};
+        ForwardBatch b(16);
+        b.add_sequence({5, 17, 200}, 0, pages, true, {0});
+        b.logit_rows = {2};
+        m.forward(b, cache);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+        group.abort(e.what());
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_NE(errors[1].find("page size"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[0].find("tensor parallel group stopped"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("page size"), std::string::npos) << errors[0];
 }
 
 TEST(TensorParallel, ShapesThatDoNotDivideAreRefused) {

@@ -30,15 +30,35 @@ ModelConfig shard_config(const ModelConfig& full, const TpRank& tp, const std::s
   return c;
 }
 
-HostGroup::HostGroup(int size) : size_(size), barrier_(size), published_(static_cast<size_t>(size), nullptr) {
+HostGroup::HostGroup(int size) : size_(size), published_(static_cast<size_t>(size), nullptr) {
   check(size >= 1, "a tensor-parallel group needs at least one rank");
+}
+
+void HostGroup::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (aborted_.empty()) aborted_ = why.empty() ? "a rank failed" : why;
+  cv_.notify_all();
+}
+
+void HostGroup::arrive_and_wait() {
+  std::unique_lock<std::mutex> lk(mu_);
+  check(aborted_.empty(), "tensor parallel group stopped: ", aborted_);
+  const uint64_t gen = generation_;
+  if (++arrived_ == size_) {
+    arrived_ = 0;
+    ++generation_;
+    cv_.notify_all();
+    return;
+  }
+  cv_.wait(lk, [&] { return generation_ != gen || !aborted_.empty(); });
+  check(generation_ != gen, "tensor parallel group stopped: ", aborted_);
 }
 
 void HostCommunicator::all_reduce_sum(Backend& be, Tensor& t) {
   check(be.name() == "cpu" && t.dtype == DType::F32, "host tensor parallelism runs on CPU backends (float32 tensors)");
   if (group_.size_ == 1) return;
   group_.published_[static_cast<size_t>(rank_)] = &t;
-  group_.barrier_.arrive_and_wait();  // every rank's partial sums are in place
+  group_.arrive_and_wait();  // every rank's partial sums are in place
   std::vector<float> sum(static_cast<size_t>(t.rows * t.cols));
   for (int r = 0; r < group_.size_; ++r) {
     const Tensor& p = *group_.published_[static_cast<size_t>(r)];
@@ -46,7 +66,7 @@ void HostCommunicator::all_reduce_sum(Backend& be, Tensor& t) {
     for (int64_t i = 0; i < t.rows; ++i)
       for (int64_t j = 0; j < t.cols; ++j) sum[static_cast<size_t>(i * t.cols + j)] += p.row_f32(i)[j];
   }
-  group_.barrier_.arrive_and_wait();  // every rank has read every rank's tensor
+  group_.arrive_and_wait();  // every rank has read every rank's tensor
   for (int64_t i = 0; i < t.rows; ++i) std::memcpy(t.row_f32(i), sum.data() + i * t.cols, sizeof(float) * t.cols);
 }
 

@@ -9,8 +9,9 @@
 // the residual stream, which so stays the same on every rank.
 #pragma once
 
-#include <barrier>
+#include <condition_variable>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "formats/model_config.h"
@@ -36,16 +37,23 @@ class Communicator {
 
 // Ranks that are threads of this process on CPU backends (tests, and the CPU's own tensor
 // parallelism): every rank publishes its tensor, then each adds them up in rank order, so every
-// rank holds the same bits.
+// rank holds the same bits. A rank that fails calls abort(): the others, waiting for it in a
+// reduction or arriving at one later, throw Error naming the failure instead of waiting forever.
 class HostGroup {
  public:
   explicit HostGroup(int size);
   int size() const { return size_; }
+  void abort(const std::string& why);
 
  private:
   friend class HostCommunicator;
+  void arrive_and_wait();  // a barrier of all ranks; throws once aborted
   int size_;
-  std::barrier<> barrier_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  std::string aborted_;  // non-empty: why the group stopped
   std::vector<const Tensor*> published_;
 };
 

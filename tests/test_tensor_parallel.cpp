@@ -6,6 +6,8 @@
 #include <exception>
 #include <thread>
 
+#include "engine/engine.h"
+#include "engine/serving.h"
 #include "kernels/backend.h"
 #include "model/forward_batch.h"
 #include "model/target_model.h"
@@ -110,6 +112,29 @@ TEST(TensorParallel, AFailingRankStopsTheOthers) {
   EXPECT_NE(errors[1].find("page size"), std::string::npos) << errors[1];
   EXPECT_NE(errors[0].find("tensor parallel group stopped"), std::string::npos) << errors[0];
   EXPECT_NE(errors[0].find("page size"), std::string::npos) << errors[0];
+}
+
+// The engine over a 2-rank target (rank 0 in the engine, rank 1 on its own thread): plain and
+// DFlash greedy generation give the tokens of one rank, for a dense and a hybrid pair.
+TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
+  for (const char* name : {"trained_qwen3", "qwen3_5_tied"}) {
+    const auto meta = test::read_json(fixture(std::string("expected/") + name + ".json"));
+    EngineOptions eo;
+    eo.model_dir = fixture(meta["target"].get<std::string>());
+    eo.draft_dir = fixture(meta["draft"].get<std::string>());
+    Engine one(eo);
+    eo.tensor_parallel = 2;
+    Engine two(eo);
+    const auto prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+    for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+      GenerateOptions go;
+      go.max_tokens = 24;
+      go.mode = mode;
+      for (size_t i = 0; i < 4; ++i)
+        EXPECT_EQ(two.generate(prompts[i], go).tokens, one.generate(prompts[i], go).tokens)
+            << name << ", prompt " << i << (mode == SpeculativeMode::DFlash ? ", DFlash" : ", plain");
+    }
+  }
 }
 
 TEST(TensorParallel, ShapesThatDoNotDivideAreRefused) {

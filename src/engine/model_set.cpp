@@ -46,7 +46,11 @@ ModelSet::ModelSet(const EngineOptions& opts, std::unique_ptr<Backend> backend) 
   page_size = opts.page_size;
   be = backend ? std::move(backend) : make_backend(opts.device, BackendOptions{opts.batch_invariant});
   check_fits(*be, opts.model_dir, opts.draft_dir);
-  target = std::make_unique<TargetModel>(*be, opts.model_dir);
+  check(opts.tensor_parallel >= 1 && opts.tensor_parallel <= 64, "tensor parallel size must be in 1..64, got ",
+        opts.tensor_parallel);
+  check(opts.tensor_parallel == 1 || be->name() == "cpu", "tensor parallelism runs on CPU backends only so far (the ",
+        be->name(), " backend has no communicator yet)");
+  target = std::make_unique<TargetModel>(*be, opts.model_dir, opts.tensor_parallel);
   eos_ids = default_eos(opts.model_dir);
   if (!opts.draft_dir.empty()) {
     draft = std::make_unique<DraftModel>(*be, opts.draft_dir, *target);

@@ -38,6 +38,7 @@ struct KvCache {
   int n_pages = 0;
   std::vector<Tensor> k, v;  // per layer: [n_pages * page_size, n_kv_heads * head_dim] (empty: linear-attention layers)
   RecurrentCache recurrent;  // hybrid models only
+  std::vector<KvCache> ranks;  // a tensor-parallel target's ranks 1.. (TargetModel)
 };
 
 // One sequence's rows in a Gated DeltaNet call.

@@ -26,7 +26,26 @@ TargetModel::TargetModel(Backend& be, const std::string& dir, const TpRank& tp, 
     if (!w_.layers[l].moe.empty()) expert_rows_[l] = be.alloc_ids(cfg_.moe.n_experts);
 }
 
+TargetModel::TargetModel(Backend& be, const std::string& dir, int tensor_parallel)
+    : TargetModel(be, dir, tensor_parallel > 1 ? std::make_unique<RankGroup>(dir, tensor_parallel) : nullptr) {}
+
+TargetModel::TargetModel(Backend& be, const std::string& dir, std::unique_ptr<RankGroup> ranks)
+    : TargetModel(be, dir, TpRank{0, ranks ? ranks->size() : 1}, ranks ? ranks->comm(0) : nullptr) {
+  ranks_ = std::move(ranks);
+}
+
+TargetModel::~TargetModel() = default;
+
+int TargetModel::tensor_parallel() const { return ranks_ ? ranks_->size() : 1; }
+
 KvCache TargetModel::alloc_cache(int n_pages, int page_size, int n_state_slots, int tape_rows) {
+  KvCache c = alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows);
+  for (int r = 1; r < tensor_parallel(); ++r)
+    c.ranks.push_back(ranks_->model(r).alloc_cache(n_pages, page_size, n_state_slots, tape_rows));
+  return c;
+}
+
+KvCache TargetModel::alloc_own_cache(int n_pages, int page_size, int n_state_slots, int tape_rows) {
   if (!cfg_.hybrid()) return be_.alloc_kv(cfg_.n_layers, n_pages, page_size, cfg_.n_kv_heads, cfg_.head_dim);
   check(n_state_slots >= 1 && tape_rows >= 1, "a hybrid target's cache needs state slots and tape rows");
   int n_attention = 0;
@@ -73,6 +92,8 @@ void TargetModel::copy_state_slot(KvCache& cache, int32_t from, int32_t to) {
   check(from >= 0 && from < r.n_slots && to >= 0 && to < r.n_slots, "state slot copy ", from, " -> ", to,
         " outside 0..", r.n_slots - 1);
   if (from == to) return;
+  for (int rank = 1; rank < tensor_parallel(); ++rank)
+    ranks_->model(rank).copy_state_slot(cache.ranks[static_cast<size_t>(rank - 1)], from, to);
   for (std::vector<Tensor>* part : {&r.conv, &r.state}) {
     for (Tensor& t : *part) {
       if (t.empty()) continue;
@@ -115,6 +136,17 @@ Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t
 
 TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cache,
                                          const std::vector<int>& capture_layers) {
+  if (!ranks_) return forward_own(batch, cache, capture_layers);
+  check(static_cast<int>(cache.ranks.size()) == tensor_parallel() - 1,
+        "a tensor-parallel target's forward needs every rank's cache (TargetModel::alloc_cache)");
+  Output out;
+  ranks_->run([&](int r) { ranks_->model(r).forward(batch, cache.ranks[static_cast<size_t>(r - 1)], capture_layers); },
+              [&] { out = forward_own(batch, cache, capture_layers); });
+  return out;
+}
+
+TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache& cache,
+                                             const std::vector<int>& capture_layers) {
   for (int j : capture_layers) check(j >= 0 && j < cfg_.n_layers, "capture layer ", j, " is outside 0..", cfg_.n_layers - 1);
   for (int32_t p : batch.positions) {
     check(p < cfg_.max_positions, "position ", p, " exceeds the model's max_position_embeddings (", cfg_.max_positions, ")");

@@ -3,6 +3,7 @@
 // Face directory as it is.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "kernels/backend.h"
 #include "model/decoder_layers.h"
 #include "model/forward_batch.h"
+#include "model/rank_group.h"
 
 namespace dflash {
 
@@ -26,6 +28,10 @@ class TargetModel {
   // outputs through `comm` with the other ranks' (which run theirs at the same time); config()
   // is then the rank's shape (its heads, KV heads and features).
   TargetModel(Backend& be, const std::string& dir, const TpRank& tp = {}, Communicator* comm = nullptr);
+  // tensor_parallel > 1 (CPU backends): this object is rank 0 of that many and owns the others
+  // (RankGroup); forward, alloc_cache and copy_state_slot act on every rank together.
+  TargetModel(Backend& be, const std::string& dir, int tensor_parallel);
+  ~TargetModel();
 
   struct Output {
     Tensor logits;    // [batch.logit_rows.size(), n_vocab]
@@ -35,6 +41,7 @@ class TargetModel {
   // logits of batch.logit_rows and the outputs of decoder layers `capture_layers`
   // (layer j's output = residual stream after layer j = HF hidden_states[j+1]).
   Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
+  int tensor_parallel() const;
 
   // Hybrid targets also get n_state_slots recurrent states whose tapes hold tape_rows rows (the
   // largest verification block); attention layers alone get pages.
@@ -58,6 +65,10 @@ class TargetModel {
   const std::string& dir() const { return dir_; }
 
  private:
+  TargetModel(Backend& be, const std::string& dir, std::unique_ptr<RankGroup> ranks);
+  Output forward_own(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers);
+  KvCache alloc_own_cache(int n_pages, int page_size, int n_state_slots, int tape_rows);
+
   Backend& be_;
   std::string dir_;
   Communicator* comm_;
@@ -65,6 +76,7 @@ class TargetModel {
   TargetWeights w_;
   std::vector<float> inv_freq_;
   std::vector<Tensor> expert_rows_;  // per layer: Backend::moe's expert_rows of the last forward
+  std::unique_ptr<RankGroup> ranks_;  // tensor parallelism: ranks 1..; null for one rank
 };
 
 // Final step shared with the draft: logits of `rows` of the normed hidden states.

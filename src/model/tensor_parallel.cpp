@@ -40,6 +40,12 @@ void HostGroup::abort(const std::string& why) {
   cv_.notify_all();
 }
 
+void HostGroup::reset() {
+  std::lock_guard<std::mutex> lk(mu_);
+  aborted_.clear();
+  arrived_ = 0;
+}
+
 void HostGroup::arrive_and_wait() {
   std::unique_lock<std::mutex> lk(mu_);
   check(aborted_.empty(), "tensor parallel group stopped: ", aborted_);

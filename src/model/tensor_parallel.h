@@ -44,6 +44,7 @@ class HostGroup {
   explicit HostGroup(int size);
   int size() const { return size_; }
   void abort(const std::string& why);
+  void reset();  // clears an abort; only while no rank is inside a reduction
 
  private:
   friend class HostCommunicator;

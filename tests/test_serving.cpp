@@ -29,6 +29,7 @@ struct Collector {
   std::mutex mu;
   std::condition_variable cv;
   std::map<uint64_t, std::vector<int32_t>> tokens;
+  std::map<uint64_t, std::vector<float>> logprobs;  // of the tokens, when the request asks
   std::map<uint64_t, FinishReason> reasons;
   int n_events = 0;
 
@@ -37,6 +38,7 @@ struct Collector {
       std::lock_guard<std::mutex> lk(mu);
       auto& t = tokens[*id_slot];
       t.insert(t.end(), e.tokens.begin(), e.tokens.end());
+      for (const auto& l : e.logprobs) logprobs[*id_slot].push_back(l.logprob);
       ++n_events;
       if (e.finished) reasons[*id_slot] = e.finish_reason;
       cv.notify_all();
@@ -201,8 +203,9 @@ TEST(Serving, RepeatedPrefixesComeFromThePrefixCache) {
 }
 
 // Qwen3.5: a conversation's next turn maps the previous turns' pages and starts from a kept
-// recurrent state (a snapshot at a page end), plain and DFlash, and equals generating it alone;
-// with no snapshots the prefix cache is off for the hybrid target and the output is the same.
+// recurrent state (a snapshot at a page end), plain and DFlash, and equals generating it alone
+// (its tokens, and their log-probabilities to 1e-5: a wrong state may leave the tokens alone); with
+// no snapshots the prefix cache is off for the hybrid target and the output is the same.
 TEST(Serving, HybridTurnsStartFromKeptStates) {
   // Random weights: every token depends on the whole state (the trained pair's tokens hardly do).
   const Pair pair = trained_pair("qwen3_5_tied");
@@ -230,6 +233,7 @@ TEST(Serving, HybridTurnsStartFromKeptStates) {
         RequestParams rp;
         rp.prompt = prompt;
         rp.max_tokens = 12;
+        rp.logprobs = 0;
         {
           std::lock_guard<std::mutex> lk(col.mu);
           id = server.submit(rp, col.callback_for(&id));
@@ -238,9 +242,14 @@ TEST(Serving, HybridTurnsStartFromKeptStates) {
         GenerateOptions go;
         go.max_tokens = 12;
         go.mode = mode;
+        go.logprobs = 0;
         const std::string what = cat(mode == SpeculativeMode::DFlash ? "DFlash" : "plain", ", snapshots ", snapshots,
                                      ", turn ", turn);
-        EXPECT_EQ(col.tokens[id], engine.generate(prompt, go).tokens) << what;
+        const auto want = engine.generate(prompt, go);
+        EXPECT_EQ(col.tokens[id], want.tokens) << what;
+        ASSERT_EQ(col.logprobs[id].size(), want.logprobs.size()) << what;
+        for (size_t i = 0; i < want.logprobs.size(); ++i)
+          EXPECT_NEAR(col.logprobs[id][i], want.logprobs[i].logprob, 1e-5) << what << ", token " << i;
         const int64_t hits = server.stats().prefix_hit_pages;
         std::printf("[%s] %lld pages from the prefix cache, %lld states kept\n", what.c_str(),
                     static_cast<long long>(hits - hits_before),

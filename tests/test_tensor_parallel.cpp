@@ -3,7 +3,10 @@
 // and decode, with the same bits on every rank; shapes that do not divide are refused by name.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <exception>
+#include <mutex>
 #include <thread>
 
 #include "engine/engine.h"
@@ -135,6 +138,58 @@ TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
             << name << ", prompt " << i << (mode == SpeculativeMode::DFlash ? ", DFlash" : ", plain");
     }
   }
+}
+
+// Serving over two ranks: a hybrid conversation's second turn starts from a kept state copied on
+// every rank, and each turn equals one rank's generation: its tokens, and their log-probabilities
+// to 1e-4 (a rank left with another state is off by far more, while its tokens may still agree).
+TEST(TensorParallel, ServingOverTwoRanksKeepsStatesOnEveryRank) {
+  const auto meta = test::read_json(fixture("expected/qwen3_5_tied.json"));
+  EngineOptions eo;
+  eo.model_dir = fixture(meta["target"].get<std::string>());
+  eo.draft_dir = fixture(meta["draft"].get<std::string>());
+  Engine one(eo);
+  ServingOptions so;
+  so.engine = eo;
+  so.engine.tensor_parallel = 2;
+  so.engine.page_size = 4;
+  so.max_num_seqs = 2;
+  ServingEngine server(so);
+  const auto prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+  std::vector<int32_t> prompt = prompts[0];
+  for (int turn = 0; turn < 2; ++turn) {
+    prompt.insert(prompt.end(), prompts[static_cast<size_t>(turn + 1)].begin(), prompts[static_cast<size_t>(turn + 1)].end());
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<int32_t> got;
+    std::vector<float> got_logprobs;
+    bool done = false;
+    RequestParams rp;
+    rp.prompt = prompt;
+    rp.max_tokens = 12;
+    rp.logprobs = 0;
+    server.submit(rp, [&](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lk(mu);
+      got.insert(got.end(), e.tokens.begin(), e.tokens.end());
+      for (const auto& l : e.logprobs) got_logprobs.push_back(l.logprob);
+      done = done || e.finished;
+      cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lk(mu);
+    ASSERT_TRUE(cv.wait_for(lk, std::chrono::minutes(2), [&] { return done; }));
+    GenerateOptions go;
+    go.max_tokens = 12;
+    go.mode = SpeculativeMode::DFlash;
+    go.logprobs = 0;
+    const auto want = one.generate(prompt, go);
+    EXPECT_EQ(got, want.tokens) << "turn " << turn;
+    ASSERT_EQ(got_logprobs.size(), want.logprobs.size());
+    for (size_t i = 0; i < got_logprobs.size(); ++i)
+      EXPECT_NEAR(got_logprobs[i], want.logprobs[i].logprob, 1e-4) << "turn " << turn << ", token " << i;
+    prompt.insert(prompt.end(), got.begin(), got.end());
+  }
+  EXPECT_GT(server.stats().prefix_hit_pages, 0);
+  EXPECT_GT(server.stats().state_snapshots_taken, 0);
 }
 
 TEST(TensorParallel, ShapesThatDoNotDivideAreRefused) {

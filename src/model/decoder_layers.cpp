@@ -66,10 +66,13 @@ Tensor load_norm(Backend& be, const TensorStore& s, const ModelConfig& c, const 
   return be.upload_host(w.data(), 1, n);
 }
 
+namespace {
 // The rank's share of n things (heads, features): [first, first + count); all of them unsharded.
 struct Share {
   int64_t first, count;
 };
+}  // namespace
+
 static Share share_of(int64_t n, const TpRank& tp) { return {tp.rank * (n / tp.size), n / tp.size}; }
 
 // Rows [sh.first, sh.first + sh.count) times `unit` of a 2-D checkpoint tensor.

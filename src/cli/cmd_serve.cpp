@@ -50,8 +50,8 @@ Command add_serve(CLI::App& app) {
       ->check(CLI::Range(0.01, 0.99))
       ->excludes(kv);
   app.add_option("--state-snapshots", a->so.state_snapshots,
-                 "hybrid targets (Qwen3.5): recurrent states kept at page ends for the prefix cache "
-                 "(default: --max-num-seqs; 0 turns their prefix cache off)")
+                 "hybrid targets (Qwen3.5, Qwen3-Next): recurrent states kept at page ends for the prefix cache "
+                 "(default: a quarter of --max-num-seqs, at least 1; 0 turns their prefix cache off)")
       ->check(CLI::Range(0, 1 << 16));
   app.add_option("--max-tokens-per-step", a->so.max_tokens_per_step, "rows per target forward (prefill chunking)")
       ->check(CLI::Range(1, 1 << 20));

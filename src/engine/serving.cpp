@@ -15,10 +15,12 @@ namespace dflash {
 
 namespace {
 
-// Hybrid targets' state snapshots (ServingOptions::state_snapshots).
+// Hybrid targets' state snapshots (ServingOptions::state_snapshots). By default a quarter of the
+// running sequences' slots: a state is large (about 151 MB at the Qwen3.5-27B shape), and a kept
+// one is worth most for the conversations that come back soon.
 int plan_snapshots(const ServingOptions& o, const ModelSet& m) {
   if (!m.target->is_hybrid()) return 0;
-  return o.state_snapshots < 0 ? o.max_num_seqs : o.state_snapshots;
+  return o.state_snapshots < 0 ? std::max(1, o.max_num_seqs / 4) : o.state_snapshots;
 }
 
 // KV pages of each cache: --kv-pages, else a fraction of the free device memory (less the hybrid

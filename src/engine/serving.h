@@ -25,7 +25,7 @@ struct ServingOptions {
   int kv_pages = 0;               // KV pages per cache (target and draft); 0: enough for max_num_seqs full contexts, capped
   int max_tokens_per_step = 2048; // rows per target forward (prefill chunks + decode/verify rows)
   double gpu_memory_fraction = 0; // > 0: size kv_pages to this fraction of the device memory free after loading
-  int state_snapshots = -1;       // hybrid targets: recurrent states kept for the prefix cache (-1: max_num_seqs; 0: none)
+  int state_snapshots = -1;       // hybrid targets: recurrent states kept for the prefix cache (-1: max_num_seqs / 4, at least 1; 0: none)
 };
 
 struct RequestParams {

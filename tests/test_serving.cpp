@@ -51,6 +51,26 @@ struct Collector {
   }
 };
 
+// Serves one request and waits for its end: its tokens, and their log-probabilities when asked.
+struct Served {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+};
+Served serve_one(ServingEngine& server, const std::vector<int32_t>& prompt, int max_tokens, int logprobs = -1) {
+  Collector col;
+  uint64_t id = 0;
+  RequestParams rp;
+  rp.prompt = prompt;
+  rp.max_tokens = max_tokens;
+  rp.logprobs = logprobs;
+  {
+    std::lock_guard<std::mutex> lk(col.mu);
+    id = server.submit(rp, col.callback_for(&id));
+  }
+  col.wait_for(1);
+  return {col.tokens[id], col.logprobs[id]};
+}
+
 struct Pair {
   std::string target, draft;
   std::vector<std::vector<int32_t>> prompts;
@@ -177,20 +197,11 @@ TEST(Serving, RepeatedPrefixesComeFromThePrefixCache) {
     for (size_t i = 1; i < 6; ++i) {
       std::vector<int32_t> prompt = system;
       prompt.insert(prompt.end(), pair.prompts[i].begin(), pair.prompts[i].end());
-      Collector col;
-      uint64_t id = 0;
-      RequestParams rp;
-      rp.prompt = prompt;
-      rp.max_tokens = 24;
-      {
-        std::lock_guard<std::mutex> lk(col.mu);
-        id = server.submit(rp, col.callback_for(&id));
-      }
-      col.wait_for(1);
+      const Served got = serve_one(server, prompt, 24);
       GenerateOptions go;
       go.max_tokens = 24;
       go.mode = mode;
-      EXPECT_EQ(col.tokens[id], engine.generate(prompt, go).tokens) << "request " << i;
+      EXPECT_EQ(got.tokens, engine.generate(prompt, go).tokens) << "request " << i;
       const int64_t hits = server.stats().prefix_hit_pages;
       if (i > 1) {
         EXPECT_GE(hits - hits_before, static_cast<int64_t>(system.size() / 4)) << "request " << i;
@@ -228,17 +239,7 @@ TEST(Serving, HybridTurnsStartFromKeptStates) {
       for (size_t turn = 1; turn < 5; ++turn) {
         std::vector<int32_t> prompt = history;
         prompt.insert(prompt.end(), pair.prompts[turn].begin(), pair.prompts[turn].end());
-        Collector col;
-        uint64_t id = 0;
-        RequestParams rp;
-        rp.prompt = prompt;
-        rp.max_tokens = 12;
-        rp.logprobs = 0;
-        {
-          std::lock_guard<std::mutex> lk(col.mu);
-          id = server.submit(rp, col.callback_for(&id));
-        }
-        col.wait_for(1);
+        const Served got = serve_one(server, prompt, 12, 0);
         GenerateOptions go;
         go.max_tokens = 12;
         go.mode = mode;
@@ -246,10 +247,10 @@ TEST(Serving, HybridTurnsStartFromKeptStates) {
         const std::string what = cat(mode == SpeculativeMode::DFlash ? "DFlash" : "plain", ", snapshots ", snapshots,
                                      ", turn ", turn);
         const auto want = engine.generate(prompt, go);
-        EXPECT_EQ(col.tokens[id], want.tokens) << what;
-        ASSERT_EQ(col.logprobs[id].size(), want.logprobs.size()) << what;
+        EXPECT_EQ(got.tokens, want.tokens) << what;
+        ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
         for (size_t i = 0; i < want.logprobs.size(); ++i)
-          EXPECT_NEAR(col.logprobs[id][i], want.logprobs[i].logprob, 1e-5) << what << ", token " << i;
+          EXPECT_NEAR(got.logprobs[i], want.logprobs[i].logprob, 1e-5) << what << ", token " << i;
         const int64_t hits = server.stats().prefix_hit_pages;
         std::printf("[%s] %lld pages from the prefix cache, %lld states kept\n", what.c_str(),
                     static_cast<long long>(hits - hits_before),
@@ -264,7 +265,7 @@ TEST(Serving, HybridTurnsStartFromKeptStates) {
         hits_before = hits;
         last_prompt = prompt.size();
         history = prompt;
-        history.insert(history.end(), col.tokens[id].begin(), col.tokens[id].end());
+        history.insert(history.end(), got.tokens.begin(), got.tokens.end());
       }
       const ServingStats st = server.stats();
       EXPECT_EQ(st.kv_pages_used, 0);

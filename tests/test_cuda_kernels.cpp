@@ -418,6 +418,60 @@ TEST_F(CudaOps, NormMatmulEqualsTheSeparateOps) {
   }
 }
 
+// Gated DeltaNet at a Qwen3.5-27B head shape (128 x 128 state per value head, 3 value heads a key
+// head): a 150-row prefill (the prepared form: rows normalized in parallel, fewer state columns a
+// warp), a verification block left on the tape, a decode row that replays 5 of its rows; each
+// against the CPU (float32, no bf16 roundings). The same rows fed one call a row (the decode form)
+// give the same bits, outputs and state.
+TEST_F(CudaOps, GatedDeltaNetPrefillFormEqualsDecodeFormBitForBit) {
+  LinearAttentionParams p;
+  p.n_k_heads = 4, p.n_v_heads = 12, p.k_dim = 128, p.v_dim = 128, p.conv_kernel = 4, p.eps = 1e-6f;
+  const int64_t C = p.conv_dim(), W = p.tape_width(), value_dim = int64_t{p.n_v_heads} * p.v_dim;
+  const int64_t proj_cols = C + value_dim + 2 * p.n_v_heads, state_cols = value_dim * p.k_dim;
+  const int tape_rows = 16, slots = 2;
+  auto conv = random(C, p.conv_kernel, 0.5f), a_log = random_f32(1, p.n_v_heads, 0.5f);
+  auto dt_bias = random_f32(1, p.n_v_heads, 0.5f);
+  std::vector<float> norm_host(static_cast<size_t>(p.v_dim));
+  for (auto& w : norm_host) w = 1.0f + 0.3f * std::normal_distribution<float>()(rng);
+  auto norm = pair_of(bf16_rounded(norm_host), 1, p.v_dim, false);
+  auto cache_on = [&](Backend& be) {
+    RecurrentCache c;
+    c.n_slots = slots, c.tape_rows = tape_rows;
+    c.conv = {be.alloc_f32(slots, (p.conv_kernel - 1) * C)};
+    c.state = {be.alloc_f32(slots, state_cols)};
+    c.tape = {be.alloc_f32(slots, tape_rows * W)};
+    return c;
+  };
+  RecurrentCache cc = cache_on(*cpu), cg = cache_on(*gpu);
+  const LinearAttentionWeights wc{conv.c, a_log.c, dt_bias.c, norm.c}, wg{conv.g, a_log.g, dt_bias.g, norm.g};
+  // One call on both backends (slot 0), compared; returns the GPU's output.
+  auto step = [&](const Pair& proj, const RecurrentSegment& seg, const std::string& what) {
+    auto out = poisoned(proj.g.rows, value_dim);
+    cpu->gated_delta_net(proj.c, wc, p, cc, 0, {seg}, out.c, nullptr);
+    gpu->gated_delta_net(proj.g, wg, p, cg, 0, {seg}, out.g, nullptr);
+    const double err = test::rel_l2_error(gpu->to_host(out.g), cpu->to_host(out.c));
+    std::printf("gated delta net, %s: rel. L2 error %.2e vs the CPU\n", what.c_str(), err);
+    EXPECT_LE(err, 2e-2) << what;
+    return gpu->to_host(out.g);
+  };
+  const int n = 150;
+  auto prompt = random(n, proj_cols), block = random(tape_rows, proj_cols), next = random(1, proj_cols);
+  const auto prefilled = step(prompt, {0, n, 0, true, 0, true}, "150-row prefill");
+  const auto state_after_prefill = gpu->to_host(cg.state[0].slice_rows(0, 1));
+  step(block, {0, tape_rows, 0, false, 0, false}, "verification block, not committed");
+  step(next, {0, 1, 0, false, 5, true}, "decode row replaying 5 rows");
+  // Slot 1: the prompt a row a call.
+  std::vector<float> by_rows;
+  for (int r = 0; r < n; ++r) {
+    Tensor row = prompt.g.slice_rows(r, 1), out = gpu->alloc(1, value_dim);
+    gpu->gated_delta_net(row, wg, p, cg, 0, {{0, 1, 1, r == 0, 0, true}}, out, nullptr);
+    const auto o = gpu->to_host(out);
+    by_rows.insert(by_rows.end(), o.begin(), o.end());
+  }
+  EXPECT_EQ(by_rows, prefilled) << "prefill rows differ from the same rows decoded one by one";
+  EXPECT_EQ(gpu->to_host(cg.state[0].slice_rows(1, 1)), state_after_prefill) << "states differ";
+}
+
 TEST_F(CudaOps, ArgmaxIsExactWithTiesToTheLowestIndex) {
   // Rows are split over several blocks: ties across blocks, a constant row, rows that are not
   // 16-byte aligned (a column slice) and repeated calls (the blocks' counters are reused).

@@ -13,15 +13,9 @@ int attention_mma_heads(const AttnShape& shape);
 // start: only when the GPU holds all its blocks at once (pdl.cuh).
 bool attention_may_release_early(const void* kernel, int threads, int64_t blocks);
 
-// Whether the GPU holds `blocks` blocks of `threads` of `kernel` at once (occupancy x SMs).
-bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks);
-
 // Whether the fused form's grid for n_tiles tiles fits the GPU at once: it repeats the query
 // rotation in every split, which pays (against a kernel less) only while the grid is one wave.
 bool attention_mma_fresh_in_one_wave(const AttnShape& shape, int n_tiles, int splits);
-
-// The number of SMs of the current device.
-int sm_count();
 
 // Whether the tensor-core kernel takes its loop form for this call: one block runs a tile's
 // `splits` splits and combines them, so no partials go through the workspace (`form`: the rule,

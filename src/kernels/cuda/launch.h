@@ -250,4 +250,10 @@ void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_c
                             const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
                             const KernelForms& forms, cudaStream_t s);
 
+// Whether the GPU holds `blocks` blocks of `threads` of `kernel` at once (occupancy x SMs).
+bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks);
+
+// The number of SMs of the current device.
+int sm_count();
+
 }  // namespace dflash::cuda

@@ -13,7 +13,8 @@
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
 # Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 fixtures-qwen3_next tests logits sites bench bench-moe bench-qwen3_5 profile ab builds serving
-# serving-moe ttft sampling ncu ncu-decode graphs" (default: tests logits bench serving).
+# serving-moe ttft sampling ncu ncu-decode graphs tp" (default: tests logits bench serving; tp needs a kind
+# with several GPUs, TP of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -184,6 +185,21 @@ if [[ $steps == *bench-qwen3_5* ]]; then
     --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --json "$out/bench_step_qwen3_5.json" \
     ${BENCH_PREFILL:+--prefill "$BENCH_PREFILL" --prefill-batch "${BENCH_PREFILL_BATCH:-1}"} \
     2>&1 | tee "$out/bench_step_qwen3_5.txt" || status=1
+fi
+
+if [[ " $steps " == *" tp "* ]]; then
+  # Tensor parallelism (a kind with TP GPUs, default 2): the GPU tests of tensor parallelism, then
+  # bench-step of the 8B-shaped pair at TP 1 and TP (all-reduce rows among the kernels).
+  tp=${TP:-2}
+  echo "== tensor parallelism over $tp GPUs =="
+  nvidia-smi topo -m 2>&1 | tee "$out/topology.txt" || true
+  with_libs build-dev/tests/dflash_tests --gtest_filter='CudaTensorParallel*' 2>&1 | tee "$out/tests_tp.txt" || status=1
+  random_8b_pair
+  for n in 1 "$tp"; do
+    "$dflash" bench-step --device cuda --tensor-parallel "$n" --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
+      --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --leak-check-steps 0 \
+      --json "$out/bench_step_tp$n.json" 2>&1 | tee "$out/bench_step_tp$n.txt" || status=1
+  done
 fi
 
 if [[ " $steps " == *" ncu "* ]]; then

@@ -19,12 +19,18 @@
 #include "engine/step_graphs.h"
 #include "kernels/backend.h"
 #include "model/target_model.h"
+#include "engine_runs.h"
 #include "test_util.h"
 
 namespace dflash {
 namespace {
 
+using test::bundled_pair_on_gpu;
+using test::bundled_prompts;
+using test::expect_lossless;
 using test::fixture;
+using test::generate_all;
+using test::serve_all;
 
 class CudaEngine : public ::testing::Test {
  protected:
@@ -193,36 +199,6 @@ TEST_F(CudaEngine, HybridRowsAreBitIdenticalAloneAndInABatch) {
   }
 }
 
-EngineOptions bundled_pair_on_gpu() {
-  EngineOptions eo;
-  eo.device = "cuda";
-  eo.model_dir = test::models_dir() + "/pycoder-16m";
-  eo.draft_dir = test::models_dir() + "/pycoder-16m-dflash-b16";
-  return eo;
-}
-
-// Runs plain and DFlash greedy decoding on `prompts` and requires identical tokens.
-double expect_lossless(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
-                       const std::vector<int32_t>& eos, const std::string& what) {
-  long produced = 0, steps = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerateOptions go;
-    go.max_tokens = max_tokens;
-    go.eos_ids = eos;
-    go.mode = SpeculativeMode::None;
-    const auto plain = engine.generate(prompts[i], go);
-    go.mode = SpeculativeMode::DFlash;
-    const auto spec = engine.generate(prompts[i], go);
-    EXPECT_EQ(spec.tokens, plain.tokens) << what << ": DFlash differs from plain greedy on the GPU, prompt " << i;
-    for (size_t a = 0; a < spec.stats.acceptance_histogram.size(); ++a)
-      produced += static_cast<long>(a + 1) * spec.stats.acceptance_histogram[a];
-    steps += spec.stats.n_steps;
-  }
-  const double tau = steps ? static_cast<double>(produced) / steps : 0.0;
-  std::printf("[%s] %zu prompts identical on the GPU, tau %.3f\n", what.c_str(), prompts.size(), tau);
-  return tau;
-}
-
 TEST_F(CudaEngine, DFlashEqualsPlainGreedyForFixturePairs) {
   for (const char* name : {"qwen3_gqa_tied", "qwen3_mha_untied_bf16", "llama_gqa4_bias_sharded", "trained_qwen3",
                            "qwen3_moe_tied", "qwen3_moe_untied_bf16", "trained_qwen3_moe", "qwen3_5_tied",
@@ -354,66 +330,6 @@ TEST_F(CudaEngine, GenerateWithGraphsEqualsGenerateOpByOp) {
     }
     ++i;
   }
-}
-
-// The serving engine on the GPU (its decode-only steps replay graphs) gives what one-at-a-time
-// generation op by op gives: plain with 8 concurrent requests, DFlash one at a time. (Batched
-// DFlash forwards of more than 32 rows take cuBLASLt products, whose rows are not bit-identical
-// to the 16-row skinny products of one sequence, so a near tie may break differently.)
-// Serves `prompts` (greedy, max_tokens each) with up to max_num_seqs at once; tokens per prompt.
-std::vector<std::vector<int32_t>> serve_all(const EngineOptions& eo, SpeculativeMode mode, int max_num_seqs,
-                                            const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
-                                            ServingStats* stats = nullptr) {
-  ServingOptions so;
-  so.engine = eo;
-  so.mode = mode;
-  so.max_num_seqs = max_num_seqs;
-  ServingEngine server(so);
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::vector<int32_t>> got(prompts.size());
-  size_t finished = 0;
-  {
-    std::lock_guard<std::mutex> lk(mu);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      RequestParams rp;
-      rp.prompt = prompts[i];
-      rp.max_tokens = max_tokens;
-      server.submit(rp, [&, i](const TokenEvent& e) {
-        std::lock_guard<std::mutex> l(mu);
-        got[i].insert(got[i].end(), e.tokens.begin(), e.tokens.end());
-        if (e.finished) ++finished;
-        cv.notify_all();
-      });
-    }
-  }
-  std::unique_lock<std::mutex> lk(mu);
-  EXPECT_TRUE(cv.wait_for(lk, std::chrono::minutes(5), [&] { return finished == prompts.size(); }));
-  if (stats) *stats = server.stats();
-  return got;
-}
-
-std::vector<std::vector<int32_t>> bundled_prompts(size_t n) {
-  const auto ref = test::read_json(fixture("expected/pycoder16m_humaneval.json"));
-  std::vector<std::vector<int32_t>> prompts;
-  for (const auto& row : ref["rows"])
-    if (prompts.size() < n) prompts.push_back(row["prompt_ids"].get<std::vector<int32_t>>());
-  return prompts;
-}
-
-// Greedy one-at-a-time generation, op by op.
-std::vector<std::vector<int32_t>> generate_all(EngineOptions eo, SpeculativeMode mode,
-                                               const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
-  eo.graphs = false;
-  Engine engine(eo);
-  std::vector<std::vector<int32_t>> out;
-  for (const auto& p : prompts) {
-    GenerateOptions go;
-    go.max_tokens = max_tokens;
-    go.mode = mode;
-    out.push_back(engine.generate(p, go).tokens);
-  }
-  return out;
 }
 
 // Serving with graphs equals one-at-a-time generation op by op: plain 8 at once, DFlash 2 at once.

@@ -31,7 +31,7 @@ nlohmann::json to_json(const StepBenchReport& rep, const StepBenchOptions& o) {
                     {"floor_ms", r.floor_ms}, {"fraction_of_floor", r.fraction_of_floor}, {"gb_per_s", r.gb_per_s},
                     {"bytes_per_step", r.bytes_per_step}, {"copy_gbps", rep.copy_gbps},
                     {"device_bytes_other", r.device_bytes_other}, {"page_size", o.page_size},
-                    {"iters", o.iters}, {"batch_invariant", o.batch_invariant}, {"load_s", rep.load_s}, {"peak_rss_bytes", rep.peak_rss_bytes},
+                    {"iters", o.iters}, {"batch_invariant", o.batch_invariant}, {"tensor_parallel", o.tensor_parallel}, {"load_s", rep.load_s}, {"peak_rss_bytes", rep.peak_rss_bytes},
                     {"weight_bytes", rep.weight_bytes}, {"leak_check_steps", o.leak_check_steps},
                     {"leak_check_growth_bytes", rep.leak_check_growth_bytes}});
     if (!r.routed_experts.empty()) rows.back()["routed_experts_per_layer"] = r.routed_experts;
@@ -86,13 +86,16 @@ Command add_bench_step(CLI::App& app) {
   app.add_flag("!--skip-kernels", o->kernels, "do not time the GEMMs and the decode attention alone");
   app.add_flag("--batch-invariant", o->batch_invariant,
                "each row's result independent of the batch it is in (CUDA: slower at large batches)");
+  add_tensor_parallel_flag(app, o->tensor_parallel);
   return [o, json_path] {
     if (o->model_dir.empty()) {
       o->model_dir = bundled_model_dir(kBundledTarget);
       if (o->draft_dir.empty()) o->draft_dir = bundled_model_dir(kBundledDraft);
     }
     const StepBenchReport rep = run_step_bench(*o);
-    std::printf("device: %s, copy bandwidth %.0f GB/s (read + write)\n", rep.device.c_str(), rep.copy_gbps);
+    std::printf("device: %s%s, copy bandwidth %.0f GB/s (read + write)\n", rep.device.c_str(),
+                o->tensor_parallel > 1 ? cat(" x ", o->tensor_parallel, " (tensor parallel; floors count GPU 0's bytes)").c_str() : "",
+                rep.copy_gbps);
     std::printf("model: %s%s%s; weights %.2f GB; load %.1f s, peak host RSS %.2f GB\n", rep.model.c_str(),
                 rep.draft.empty() ? "" : " + ", rep.draft.c_str(), rep.weight_bytes / 1e9, rep.load_s,
                 rep.peak_rss_bytes / 1e9);

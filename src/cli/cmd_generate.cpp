@@ -22,6 +22,7 @@ struct GenerateArgs {
   std::string model, draft, speculative, prompt_ids, prompt, prompt_file, chat, device = "auto";
   int max_tokens = 128, block_size = 0, page_size = 16;
   bool json = false, enable_thinking = false, ignore_eos = false, batch_invariant = false, no_graphs = false;
+  int tensor_parallel = 1;
   SamplingParams sampling;
   std::string spec_sampling = "match";
 };
@@ -152,7 +153,7 @@ Command add_generate(CLI::App& app) {
       ->check(CLI::IsMember({"match", "rejection"}));
   app.add_flag("--ignore-eos", a->ignore_eos, "do not stop at end-of-sequence tokens (fixed-length runs for timing)");
   app.add_flag("--json", a->json, "print one JSON object with tokens and statistics");
-  add_backend_flags(app, a->batch_invariant, a->no_graphs);
+  add_backend_flags(app, a->batch_invariant, a->no_graphs, a->tensor_parallel);
   return [a] {
     if (a->model.empty()) {
       a->model = bundled_model_dir(kBundledTarget);
@@ -168,6 +169,7 @@ Command add_generate(CLI::App& app) {
     eo.page_size = a->page_size;
     eo.block_size = a->block_size;
     eo.batch_invariant = a->batch_invariant;
+    eo.tensor_parallel = a->tensor_parallel;
     eo.graphs = !a->no_graphs;
     Engine engine(eo);
     GenerateOptions go;

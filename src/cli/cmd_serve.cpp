@@ -29,6 +29,7 @@ Command add_serve(CLI::App& app) {
     std::string model, draft, speculative, device = "auto", spec_sampling = "match";
     int page_size = 16, block_size = 0;
     bool batch_invariant = false, no_graphs = false;
+    int tensor_parallel = 1;
   };
   auto a = std::make_shared<Args>();
   app.add_option("--model", a->model, std::string("target model directory (default: the bundled ") + kBundledTarget +
@@ -72,7 +73,7 @@ Command add_serve(CLI::App& app) {
   app.add_option("--reasoning-parser", a->http.reasoning_parser,
                  "<think> blocks to reasoning_content: auto (when the chat template writes them), on, off")
       ->check(CLI::IsMember({"auto", "on", "off"}));
-  add_backend_flags(app, a->batch_invariant, a->no_graphs);
+  add_backend_flags(app, a->batch_invariant, a->no_graphs, a->tensor_parallel);
   return [a] {
     if (a->model.empty()) {
       a->model = bundled_model_dir(kBundledTarget);
@@ -86,6 +87,7 @@ Command add_serve(CLI::App& app) {
     so.engine.page_size = a->page_size;
     so.engine.block_size = a->block_size;
     so.engine.batch_invariant = a->batch_invariant;
+    so.engine.tensor_parallel = a->tensor_parallel;
     so.engine.graphs = !a->no_graphs;
     so.mode = so.engine.draft_dir.empty() ? SpeculativeMode::None : SpeculativeMode::DFlash;
     so.spec_sampling = parse_spec_sampling(a->spec_sampling);

@@ -59,7 +59,7 @@ struct EngineOptions {
   int block_size = 0;      // DFlash block size; 0 = the draft's own
   bool batch_invariant = false;  // each row's result independent of the batch it is in (CUDA: slower at large batches)
   bool graphs = true;      // replay fixed-shape decoding steps as CUDA graphs (false: op by op)
-  int tensor_parallel = 1; // the target's ranks (CPU backends only so far; model/tensor_parallel.h)
+  int tensor_parallel = 1;  // the target's ranks: CPU backends, or GPUs 0..N-1 with NCCL (model/tensor_parallel.h)
 };
 
 struct GenerateOptions {

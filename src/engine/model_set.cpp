@@ -15,18 +15,26 @@ std::unique_ptr<Backend> make_backend(const std::string& device, const BackendOp
 
 namespace {
 
-// Refuses checkpoints whose bf16 weights cannot fit in the device's free memory.
-void check_fits(Backend& be, const std::string& model_dir, const std::string& draft_dir) {
+// Refuses checkpoints whose bf16 weights cannot fit in the device's free memory. Over
+// tensor_parallel GPUs, GPU 0 holds an N-th of the target's layers, its embedding and lm_head
+// whole, and the draft.
+void check_fits(Backend& be, const std::string& model_dir, const std::string& draft_dir, int tensor_parallel) {
   int64_t free_bytes = 0, total_bytes = 0;
   if (!be.memory_info(free_bytes, total_bytes)) return;
-  int64_t need = 0;
+  int64_t need = 0, whole = 0;
   for (const auto& dir : {model_dir, draft_dir}) {
     if (dir.empty()) continue;
     const TensorStore store = TensorStore::open(dir);
-    for (const auto& t : store.all()) need += 2 * t.n_elements();
+    for (const auto& t : store.all()) {
+      const int64_t bytes = 2 * t.n_elements();
+      whole += bytes;
+      const bool split = dir == model_dir && t.name.find("layers.") != std::string::npos;
+      need += split ? bytes / tensor_parallel : bytes;
+    }
   }
-  check(need < free_bytes, "the model does not fit: its weights need ", need / (1 << 20), " MiB in bf16, the GPU has ",
-        free_bytes / (1 << 20), " MiB free of ", total_bytes / (1 << 20), " MiB");
+  check(need < free_bytes, "the model does not fit: its weights need ", need / (1 << 20), " MiB in bf16",
+        tensor_parallel > 1 ? cat(" on GPU 0 (", whole / (1 << 20), " MiB in all over ", tensor_parallel, " GPUs)") : "",
+        ", the GPU has ", free_bytes / (1 << 20), " MiB free of ", total_bytes / (1 << 20), " MiB");
 }
 
 std::vector<int32_t> default_eos(const std::string& model_dir) {
@@ -45,11 +53,9 @@ ModelSet::ModelSet(const EngineOptions& opts, std::unique_ptr<Backend> backend) 
   check(opts.page_size > 0 && opts.page_size <= 4096, "page size must be in 1..4096, got ", opts.page_size);
   page_size = opts.page_size;
   be = backend ? std::move(backend) : make_backend(opts.device, BackendOptions{opts.batch_invariant});
-  check_fits(*be, opts.model_dir, opts.draft_dir);
   check(opts.tensor_parallel >= 1 && opts.tensor_parallel <= 64, "tensor parallel size must be in 1..64, got ",
         opts.tensor_parallel);
-  check(opts.tensor_parallel == 1 || be->name() == "cpu", "tensor parallelism runs on CPU backends only so far (the ",
-        be->name(), " backend has no communicator yet)");
+  check_fits(*be, opts.model_dir, opts.draft_dir, opts.tensor_parallel);
   target = std::make_unique<TargetModel>(*be, opts.model_dir, opts.tensor_parallel);
   eos_ids = default_eos(opts.model_dir);
   if (!opts.draft_dir.empty()) {

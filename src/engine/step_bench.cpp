@@ -177,6 +177,16 @@ void bench_kernels(Backend& be, TargetModel& target, int page_size, StepBenchRep
       rep.kernels.push_back(r);
     }
   }
+  if (target.tensor_parallel() > 1) {  // each layer sums its mixer's and its MLP's outputs across the ranks
+    for (int m : {1, 16, 32, 128, 2048}) {
+      Tensor x = be.alloc(m, c.n_embd);
+      be.fill_random(x, 7, 0.0f);
+      KernelBenchRow r{cat("all-reduce (", target.tensor_parallel(), " ranks)"), m, 0, 0, 0, tensor_bytes(x)};
+      r.us = kernel_us(be, [&] { target.all_reduce_rows(x); });
+      r.gb_per_s = static_cast<double>(r.bytes) / (r.us * 1e-6) / 1e9;
+      rep.kernels.push_back(r);
+    }
+  }
   if (l0.is_linear()) bench_gated_delta_net(be, target, page_size, rep);
   const int64_t q_dim = int64_t{c.n_heads} * c.head_dim;
   for (int ctx : {512, 2048}) {
@@ -242,6 +252,7 @@ StepBenchReport run_step_bench(const StepBenchOptions& o) {
   eo.page_size = o.page_size;
   eo.block_size = o.block_size;
   eo.batch_invariant = o.batch_invariant;
+  eo.tensor_parallel = o.tensor_parallel;
   std::unique_ptr<Backend> be = make_backend(eo.device, BackendOptions{eo.batch_invariant});
   rep.device = be->name();
   rep.model = o.model_dir;

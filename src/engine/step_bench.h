@@ -23,6 +23,7 @@ struct StepBenchOptions {
   int leak_check_steps = 1000;  // plain batch-1 steps watched for device-memory growth (0: skip)
   bool kernels = true;          // also time the target's GEMMs and decode attention alone
   bool batch_invariant = false; // the backend's batch-invariant mode (EngineOptions::batch_invariant)
+  int tensor_parallel = 1;      // the target's ranks (EngineOptions::tensor_parallel); floors are GPU 0's bytes
   // Prefill rows: `prefill_batches` prompts of each length in `prefills` (none: no prefill rows),
   // in steps of at most max_tokens_per_step rows, as the server chunks them.
   std::vector<int> prefills, prefill_batches{1, 4};

@@ -21,6 +21,8 @@
 
 namespace dflash {
 
+class GraphPeers;
+
 // Per-sequence state of Gated DeltaNet layers (Qwen3.5), one slot per running sequence. The state
 // of a slot covers its sequence's committed rows; the tape holds the rows of its last forward that
 // were not committed (a verification block), to be folded in once the accepted count is known.
@@ -158,6 +160,9 @@ class Backend {
   // False when body no longer matches the capture (other launch shapes, or two uploads that were
   // equal at capture and shared one copy now differ): capture it again then.
   virtual bool restage_graph(const std::shared_ptr<void>& graph, const std::function<void()>& body) { return false; }
+  // Rank 0 of a tensor-parallel group: the other ranks, whose graphs go with this backend's
+  // (kernels/communicator.h); null to detach. Backends without graphs ignore it.
+  virtual void set_graph_peers(GraphPeers* peers) {}
   // Waits until every queued operation has finished (for timing).
   virtual void synchronize() {}
   // Returns memory cached by the allocator but unused to the device (memory reports).
@@ -350,6 +355,7 @@ struct BackendOptions {
   // then runs products of more than 32 rows as 32-row slices of its skinny kernel, reading the
   // weights once per slice, instead of through cuBLASLt). The CPU backend always is.
   bool batch_invariant = false;
+  int device = 0;  // the GPU (CUDA backend)
 };
 
 std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& = {});

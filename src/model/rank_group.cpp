@@ -5,14 +5,35 @@
 
 namespace dflash {
 
-RankGroup::RankGroup(const std::string& dir, int size) : group_(size), errors_(static_cast<size_t>(size)) {
-  check(size >= 2, "a rank group needs at least two ranks");
-  for (int r = 0; r < size; ++r) comms_.push_back(std::make_unique<HostCommunicator>(group_, r));
-  for (int r = 1; r < size; ++r) {
-    backends_.push_back(make_cpu_backend());
-    models_.push_back(std::make_unique<TargetModel>(*backends_.back(), dir, TpRank{r, size}, comm(r)));
+namespace {
+
+std::string what_of(const std::exception_ptr& e) {
+  if (!e) return {};
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
   }
-  for (int r = 1; r < size; ++r) threads_.emplace_back([this, r] { worker(r); });
+}
+
+}  // namespace
+
+struct RankGroup::PeerGraphs {
+  std::vector<std::vector<std::shared_ptr<void>>> of_rank;  // [rank - 1][run call]
+};
+
+RankGroup::RankGroup(const std::string& dir, std::unique_ptr<RankDevices> devices)
+    : dir_(dir), devices_(std::move(devices)) {
+  const int n = devices_->size();
+  check(n >= 2, "a rank group needs at least two ranks");
+  backends_.resize(static_cast<size_t>(n - 1));
+  models_.resize(static_cast<size_t>(n - 1));
+  load_errors_.resize(static_cast<size_t>(n));
+  errors_.resize(static_cast<size_t>(n));
+  loading_ = n - 1;
+  for (int r = 1; r < n; ++r) threads_.emplace_back([this, r] { worker(r); });
 }
 
 RankGroup::~RankGroup() {
@@ -24,14 +45,33 @@ RankGroup::~RankGroup() {
   for (auto& t : threads_) t.join();
 }
 
+void RankGroup::wait_loaded() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return loading_ == 0; });
+  for (const auto& e : load_errors_)
+    if (e) std::rethrow_exception(e);
+}
+
 void RankGroup::worker(int rank) {
+  const size_t i = static_cast<size_t>(rank - 1);
+  try {
+    backends_[i] = devices_->make_backend(rank);
+    models_[i] = std::make_unique<TargetModel>(*backends_[i], dir_, TpRank{rank, size()}, comm(rank));
+  } catch (const std::exception& e) {
+    load_errors_[static_cast<size_t>(rank)] = std::make_exception_ptr(Error(cat("tensor-parallel rank ", rank, ": ", e.what())));
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    --loading_;
+  }
+  cv_.notify_all();
   uint64_t seen = 0;
   for (;;) {
     const std::function<void(int)>* job = nullptr;
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
+      if (stop_) break;
       seen = generation_;
       job = job_;
     }
@@ -40,18 +80,37 @@ void RankGroup::worker(int rank) {
       (*job)(rank);
     } catch (const std::exception& e) {
       error = std::current_exception();
-      group_.abort(cat("rank ", rank, ": ", e.what()));
+      devices_->abort(cat("rank ", rank, ": ", e.what()));
     }
     std::lock_guard<std::mutex> lk(mu_);
     errors_[static_cast<size_t>(rank)] = error;
     if (--running_ == 0) cv_.notify_all();
   }
+  models_[i].reset();  // a GPU's memory is freed on the thread whose device it is
+  backends_[i].reset();
 }
 
 void RankGroup::run(const std::function<void(int)>& on_rank, const std::function<void()>& this_rank) {
+  const size_t call = call_++;
+  std::function<void(int)> job;
+  if (phase_ == Phase::capture) {
+    job = [&](int r) {
+      try {
+        auto g = backend(r).capture_graph([&] { on_rank(r); }, share_uploads_);
+        current_->of_rank[static_cast<size_t>(r - 1)].push_back(std::move(g));
+      } catch (const Error&) {
+        failed_ = true;  // rank 0's capture is refused with it (end_capture), and the step runs eagerly
+      }
+    };
+  } else if (phase_ == Phase::restage) {
+    job = [&](int r) {
+      const auto& graphs = current_->of_rank[static_cast<size_t>(r - 1)];
+      if (call >= graphs.size() || !backend(r).restage_graph(graphs[call], [&] { on_rank(r); })) failed_ = true;
+    };
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
-    job_ = &on_rank;
+    job_ = job ? &job : &on_rank;
     running_ = size() - 1;
     for (auto& e : errors_) e = nullptr;
     ++generation_;
@@ -61,13 +120,63 @@ void RankGroup::run(const std::function<void(int)>& on_rank, const std::function
     this_rank();
   } catch (const std::exception& e) {
     errors_[0] = std::current_exception();
-    group_.abort(cat("rank 0: ", e.what()));
+    devices_->abort(cat("rank 0: ", e.what()));
   }
   std::unique_lock<std::mutex> lk(mu_);
   cv_.wait(lk, [&] { return running_ == 0; });
-  group_.reset();  // every rank is out of the group's reductions: ready for the next call
+  // Every rank is out of the group's collectives. Ranks that all failed alike (a check of the
+  // batch every rank makes) leave the group usable.
+  bool alike = true;
+  for (const auto& e : errors_) alike = alike && what_of(e) == what_of(errors_[0]);
+  devices_->reset(alike);
   for (const auto& e : errors_)
     if (e) std::rethrow_exception(e);
+}
+
+void RankGroup::begin_capture(bool share_uploads) {
+  phase_ = Phase::capture;
+  share_uploads_ = share_uploads;
+  current_ = std::make_shared<PeerGraphs>();
+  current_->of_rank.resize(static_cast<size_t>(size() - 1));
+  call_ = 0;
+  failed_ = false;
+}
+
+std::shared_ptr<void> RankGroup::end_capture() {
+  phase_ = Phase::eager;
+  std::shared_ptr<PeerGraphs> g = std::move(current_);
+  current_.reset();
+  if (failed_) return nullptr;
+  return g;
+}
+
+void RankGroup::begin_restage(const std::shared_ptr<void>& graphs) {
+  phase_ = Phase::restage;
+  current_ = std::static_pointer_cast<PeerGraphs>(graphs);
+  call_ = 0;
+  failed_ = false;
+}
+
+bool RankGroup::end_restage() {
+  phase_ = Phase::eager;
+  bool ok = !failed_;
+  for (const auto& graphs : current_->of_rank) ok = ok && graphs.size() == call_;
+  current_.reset();
+  return ok;
+}
+
+void RankGroup::cancel() {
+  phase_ = Phase::eager;
+  current_.reset();
+}
+
+void RankGroup::replay(const std::shared_ptr<void>& graphs) {
+  const auto* g = static_cast<const PeerGraphs*>(graphs.get());
+  run(
+      [&](int r) {
+        for (const auto& graph : g->of_rank[static_cast<size_t>(r - 1)]) backend(r).replay_graph(graph);
+      },
+      [] {});
 }
 
 }  // namespace dflash

@@ -26,22 +26,56 @@ TargetModel::TargetModel(Backend& be, const std::string& dir, const TpRank& tp, 
     if (!w_.layers[l].moe.empty()) expert_rows_[l] = be.alloc_ids(cfg_.moe.n_experts);
 }
 
-TargetModel::TargetModel(Backend& be, const std::string& dir, int tensor_parallel)
-    : TargetModel(be, dir, tensor_parallel > 1 ? std::make_unique<RankGroup>(dir, tensor_parallel) : nullptr) {}
+namespace {
 
-TargetModel::TargetModel(Backend& be, const std::string& dir, std::unique_ptr<RankGroup> ranks)
-    : TargetModel(be, dir, TpRank{0, ranks ? ranks->size() : 1}, ranks ? ranks->comm(0) : nullptr) {
-  ranks_ = std::move(ranks);
+std::unique_ptr<RankGroup> rank_group(Backend& be, const std::string& dir, int tensor_parallel) {
+  if (tensor_parallel <= 1) return nullptr;
+  return std::make_unique<RankGroup>(dir, be.name() == "cpu" ? make_host_rank_devices(tensor_parallel)
+                                                             : make_cuda_rank_devices(be, tensor_parallel));
 }
 
-TargetModel::~TargetModel() = default;
+}  // namespace
+
+TargetModel::TargetModel(Backend& be, const std::string& dir, int tensor_parallel)
+    : TargetModel(be, dir, rank_group(be, dir, tensor_parallel)) {}
+
+// The other ranks load on their threads while this one loads here.
+TargetModel::TargetModel(Backend& be, const std::string& dir, std::unique_ptr<RankGroup> ranks)
+    : TargetModel(be, dir, TpRank{0, ranks ? ranks->size() : 1}, ranks ? ranks->comm(0) : nullptr) {
+  if (!ranks) return;
+  ranks->wait_loaded();
+  ranks_ = std::move(ranks);
+  be_.set_graph_peers(ranks_.get());
+}
+
+TargetModel::~TargetModel() {
+  if (ranks_) be_.set_graph_peers(nullptr);
+}
 
 int TargetModel::tensor_parallel() const { return ranks_ ? ranks_->size() : 1; }
 
+void TargetModel::all_reduce_rows(Tensor& x) {
+  if (!ranks_) return;
+  ranks_->run(
+      [&](int r) {
+        TargetModel& m = ranks_->model(r);
+        Tensor t = m.be_.alloc(x.rows, x.cols);
+        m.be_.fill_random(t, 1, 0.0f);
+        m.comm_->all_reduce_sum(m.be_, t);
+      },
+      [&] { comm_->all_reduce_sum(be_, x); });
+}
+
 KvCache TargetModel::alloc_cache(int n_pages, int page_size, int n_state_slots, int tape_rows) {
-  KvCache c = alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows);
-  for (int r = 1; r < tensor_parallel(); ++r)
-    c.ranks.push_back(ranks_->model(r).alloc_cache(n_pages, page_size, n_state_slots, tape_rows));
+  if (!ranks_) return alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows);
+  KvCache c;
+  std::vector<KvCache> others(static_cast<size_t>(tensor_parallel() - 1));
+  ranks_->run(
+      [&](int r) {
+        others[static_cast<size_t>(r - 1)] = ranks_->model(r).alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows);
+      },
+      [&] { c = alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows); });
+  c.ranks = std::move(others);
   return c;
 }
 
@@ -92,8 +126,16 @@ void TargetModel::copy_state_slot(KvCache& cache, int32_t from, int32_t to) {
   check(from >= 0 && from < r.n_slots && to >= 0 && to < r.n_slots, "state slot copy ", from, " -> ", to,
         " outside 0..", r.n_slots - 1);
   if (from == to) return;
-  for (int rank = 1; rank < tensor_parallel(); ++rank)
-    ranks_->model(rank).copy_state_slot(cache.ranks[static_cast<size_t>(rank - 1)], from, to);
+  if (ranks_) {
+    ranks_->run([&](int rank) { ranks_->model(rank).copy_state_slot(cache.ranks[static_cast<size_t>(rank - 1)], from, to); },
+                [&] { copy_own_state_slot(cache, from, to); });
+  } else {
+    copy_own_state_slot(cache, from, to);
+  }
+}
+
+void TargetModel::copy_own_state_slot(KvCache& cache, int32_t from, int32_t to) {
+  RecurrentCache& r = cache.recurrent;
   for (std::vector<Tensor>* part : {&r.conv, &r.state}) {
     for (Tensor& t : *part) {
       if (t.empty()) continue;
@@ -136,17 +178,37 @@ Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t
 
 TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cache,
                                          const std::vector<int>& capture_layers) {
-  if (!ranks_) return forward_own(batch, cache, capture_layers);
+  if (!ranks_) return forward_own(batch, cache, capture_layers, true);
   check(static_cast<int>(cache.ranks.size()) == tensor_parallel() - 1,
         "a tensor-parallel target's forward needs every rank's cache (TargetModel::alloc_cache)");
   Output out;
-  ranks_->run([&](int r) { ranks_->model(r).forward(batch, cache.ranks[static_cast<size_t>(r - 1)], capture_layers); },
-              [&] { out = forward_own(batch, cache, capture_layers); });
+  // The other ranks need neither logits nor captured layers (rank 0's lm_head and draft use
+  // them); token ids on rank 0's device reach theirs by broadcast.
+  ranks_->run(
+      [&](int r) {
+        TargetModel& m = ranks_->model(r);
+        KvCache& c = cache.ranks[static_cast<size_t>(r - 1)];
+        if (!batch.device_tokens()) {
+          m.forward_own(batch, c, {}, false);
+          return;
+        }
+        ForwardBatch own = batch;
+        own.from_device.ids = m.be_.alloc_ids(batch.from_device.ids.rows);
+        m.comm_->broadcast(m.be_, own.from_device.ids);
+        m.forward_own(own, c, {}, false);
+      },
+      [&] {
+        if (batch.device_tokens()) {
+          Tensor ids = batch.from_device.ids;
+          comm_->broadcast(be_, ids);
+        }
+        out = forward_own(batch, cache, capture_layers, true);
+      });
   return out;
 }
 
 TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache& cache,
-                                             const std::vector<int>& capture_layers) {
+                                             const std::vector<int>& capture_layers, bool logits) {
   for (int j : capture_layers) check(j >= 0 && j < cfg_.n_layers, "capture layer ", j, " is outside 0..", cfg_.n_layers - 1);
   for (int32_t p : batch.positions) {
     check(p < cfg_.max_positions, "position ", p, " exceeds the model's max_position_embeddings (", cfg_.max_positions, ")");
@@ -173,7 +235,7 @@ TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache&
     in.captured = &out.captured;
   }
   Tensor normed = run_decoder_layers(be_, cfg_, w_.layers, inv_freq_, w_.final_norm, x, in);
-  out.logits = lm_head_rows(be_, normed, batch.logit_rows, w_.lm_head);
+  if (logits) out.logits = lm_head_rows(be_, normed, batch.logit_rows, w_.lm_head);
   return out;
 }
 

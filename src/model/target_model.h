@@ -28,8 +28,9 @@ class TargetModel {
   // outputs through `comm` with the other ranks' (which run theirs at the same time); config()
   // is then the rank's shape (its heads, KV heads and features).
   TargetModel(Backend& be, const std::string& dir, const TpRank& tp = {}, Communicator* comm = nullptr);
-  // tensor_parallel > 1 (CPU backends): this object is rank 0 of that many and owns the others
-  // (RankGroup); forward, alloc_cache and copy_state_slot act on every rank together.
+  // tensor_parallel > 1: this object is rank 0 of that many and owns the others (RankGroup: CPU
+  // backends with a CPU `be`, else GPUs 1.. with NCCL, `be` being GPU 0's); forward, alloc_cache
+  // and copy_state_slot act on every rank together.
   TargetModel(Backend& be, const std::string& dir, int tensor_parallel);
   ~TargetModel();
 
@@ -42,6 +43,9 @@ class TargetModel {
   // (layer j's output = residual stream after layer j = HF hidden_states[j+1]).
   Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
   int tensor_parallel() const;
+  // Sums x (rank 0's, [rows, n_embd] in the activation type) with a tensor of its shape on every
+  // other rank, as each layer does twice (bench-step times it). Nothing with one rank.
+  void all_reduce_rows(Tensor& x);
 
   // Hybrid targets also get n_state_slots recurrent states whose tapes hold tape_rows rows (the
   // largest verification block); attention layers alone get pages.
@@ -66,8 +70,9 @@ class TargetModel {
 
  private:
   TargetModel(Backend& be, const std::string& dir, std::unique_ptr<RankGroup> ranks);
-  Output forward_own(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers);
+  Output forward_own(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers, bool logits);
   KvCache alloc_own_cache(int n_pages, int page_size, int n_state_slots, int tape_rows);
+  void copy_own_state_slot(KvCache& cache, int32_t from, int32_t to);
 
   Backend& be_;
   std::string dir_;

@@ -76,4 +76,42 @@ void HostCommunicator::all_reduce_sum(Backend& be, Tensor& t) {
   for (int64_t i = 0; i < t.rows; ++i) std::memcpy(t.row_f32(i), sum.data() + i * t.cols, sizeof(float) * t.cols);
 }
 
+void HostCommunicator::broadcast(Backend& be, Tensor& t) {
+  check(be.name() == "cpu", "host tensor parallelism runs on CPU backends");
+  if (group_.size_ == 1) return;
+  group_.published_[static_cast<size_t>(rank_)] = &t;
+  group_.arrive_and_wait();  // rank 0's tensor is in place
+  const Tensor& from = *group_.published_[0];
+  check(from.rows == t.rows && from.cols == t.cols && from.dtype == t.dtype,
+        "tensor parallel ranks broadcast tensors of different shapes");
+  const int64_t row_bytes = t.cols * static_cast<int64_t>(dtype_size(t.dtype));
+  if (rank_ != 0)
+    for (int64_t i = 0; i < t.rows; ++i)
+      std::memcpy(static_cast<char*>(t.data) + i * t.stride * dtype_size(t.dtype),
+                  static_cast<const char*>(from.data) + i * from.stride * dtype_size(from.dtype), row_bytes);
+  group_.arrive_and_wait();  // every rank has its copy
+}
+
+namespace {
+
+class HostRankDevices final : public RankDevices {
+ public:
+  explicit HostRankDevices(int size) : group_(size) {
+    for (int r = 0; r < size; ++r) comms_.push_back(std::make_unique<HostCommunicator>(group_, r));
+  }
+  int size() const override { return group_.size(); }
+  std::unique_ptr<Backend> make_backend(int) override { return make_cpu_backend(); }
+  Communicator& comm(int rank) override { return *comms_[static_cast<size_t>(rank)]; }
+  void abort(const std::string& why) override { group_.abort(why); }
+  void reset(bool) override { group_.reset(); }
+
+ private:
+  HostGroup group_;
+  std::vector<std::unique_ptr<HostCommunicator>> comms_;
+};
+
+}  // namespace
+
+std::unique_ptr<RankDevices> make_host_rank_devices(int size) { return std::make_unique<HostRankDevices>(size); }
+
 }  // namespace dflash

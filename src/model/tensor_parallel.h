@@ -10,12 +10,14 @@
 #pragma once
 
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "formats/model_config.h"
 #include "kernels/backend.h"
+#include "kernels/communicator.h"
 
 namespace dflash {
 
@@ -27,13 +29,6 @@ struct TpRank {
 // The shape one rank runs: heads, KV heads, linear-attention heads and MLP features divided by the
 // group size. Error naming the field when one does not divide.
 ModelConfig shard_config(const ModelConfig& full, const TpRank& tp, const std::string& where);
-
-// Sums a tensor across the ranks of a group, every rank ending with the same values.
-class Communicator {
- public:
-  virtual ~Communicator() = default;
-  virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
-};
 
 // Ranks that are threads of this process on CPU backends (tests, and the CPU's own tensor
 // parallelism): every rank publishes its tensor, then each adds them up in rank order, so every
@@ -62,10 +57,14 @@ class HostCommunicator final : public Communicator {
  public:
   HostCommunicator(HostGroup& group, int rank) : group_(group), rank_(rank) {}
   void all_reduce_sum(Backend& be, Tensor& t) override;
+  void broadcast(Backend& be, Tensor& t) override;
 
  private:
   HostGroup& group_;
   int rank_;
 };
+
+// Ranks on CPU backends of this process (HostGroup).
+std::unique_ptr<RankDevices> make_host_rank_devices(int size);
 
 }  // namespace dflash

@@ -294,11 +294,10 @@ void launch_tiles(const Mat& q, const Mat& k_cache, const Mat& v_cache, const At
                   float* workspace, Mat out, cudaStream_t s) {
   const auto kernel = attention_tiles_kernel<HD, kSplit>;
   constexpr size_t smem = sizeof(PrefillSmem<HD>);
-  static const bool configured = [&] {
+  static std::atomic<uint64_t> configured{0};
+  once_per_device(configured, [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    return true;
-  }();
-  (void)configured;
+  });
   const int heads = attention_prefill_heads(shp), group = shp.n_heads / shp.n_kv_heads;
   const int chunks = (group + heads - 1) / heads;
   const dim3 grid(static_cast<unsigned>(n_tiles * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));

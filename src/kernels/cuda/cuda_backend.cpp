@@ -11,19 +11,23 @@ namespace dflash {
 namespace cuda {
 namespace {
 
-cudaDeviceProp select_device_0() {
-  CUDA_CHECK(cudaSetDevice(0));
+// The backend's GPU becomes the constructing thread's current device, for good: every later call
+// on the backend comes from that thread (a tensor-parallel rank's GPU is its thread's).
+cudaDeviceProp select_device(int device) {
+  const int n = cuda_device_count();
+  check(device >= 0 && device < n, "CUDA device ", device, " does not exist (", n, " GPUs)");
+  CUDA_CHECK(cudaSetDevice(device));
   cudaDeviceProp props{};
-  CUDA_CHECK(cudaGetDeviceProperties(&props, 0));
+  CUDA_CHECK(cudaGetDeviceProperties(&props, device));
   return props;
 }
 
 }  // namespace
 
-CudaBackend::CudaBackend(const BackendOptions& options) : options_(options), props_(select_device_0()) {
+CudaBackend::CudaBackend(const BackendOptions& options) : options_(options), props_(select_device(options.device)) {
   set_pdl_enabled(props_.major >= 9);  // programmatic dependent launch where the device has it (pdl.cuh)
   cudaMemPool_t pool;
-  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
+  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, options_.device));
   uint64_t keep = UINT64_MAX;  // keep freed blocks for reuse instead of returning them at each sync
   CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   lt_ = std::make_unique<LtGemm>();
@@ -52,12 +56,53 @@ bool CudaBackend::memory_info(int64_t& free_bytes, int64_t& total_bytes) {
   return true;
 }
 
+// Rank 0 of a tensor-parallel group: its graphs carry the other ranks' (RankGroup).
+struct GroupGraph {
+  std::shared_ptr<void> own, peers;
+};
+
+std::shared_ptr<void> CudaBackend::capture_graph(const std::function<void()>& body, bool share_uploads) {
+  if (!peers_) return staging_.capture(body, share_uploads);
+  peers_->begin_capture(share_uploads);
+  auto g = std::make_shared<GroupGraph>();
+  try {
+    g->own = staging_.capture(body, share_uploads);
+  } catch (...) {
+    peers_->cancel();
+    throw;
+  }
+  g->peers = peers_->end_capture();
+  check(g->peers != nullptr, "cuda backend: another tensor-parallel rank could not capture its part of the graph");
+  return g;
+}
+
+void CudaBackend::replay_graph(const std::shared_ptr<void>& graph) {
+  if (!peers_) return staging_.replay(graph);
+  const auto* g = static_cast<const GroupGraph*>(graph.get());
+  staging_.replay(g->own);
+  peers_->replay(g->peers);
+}
+
+bool CudaBackend::restage_graph(const std::shared_ptr<void>& graph, const std::function<void()>& body) {
+  if (!peers_) return staging_.restage(graph, body);
+  const auto* g = static_cast<const GroupGraph*>(graph.get());
+  peers_->begin_restage(g->peers);
+  bool ok = false;
+  try {
+    ok = staging_.restage(g->own, body);
+  } catch (...) {
+    peers_->cancel();
+    throw;
+  }
+  return peers_->end_restage() && ok;
+}
+
 void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(staging_.eager_stream("synchronize"))); }
 
 void CudaBackend::release_cached_memory() {
   synchronize();
   cudaMemPool_t pool;
-  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
+  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, options_.device));
   CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
 }
 

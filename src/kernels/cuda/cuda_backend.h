@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/communicator.h"
 #include "kernels/cuda/graph_staging.h"
 #include "kernels/cuda/kernel_forms.h"
 #include "kernels/cuda/launch.h"
@@ -46,13 +47,16 @@ class CudaBackend final : public Backend {
   std::string name() const override { return std::string("cuda (") + props_.name + ")"; }
   bool memory_info(int64_t& free_bytes, int64_t& total_bytes) override;
   bool supports_graphs() const override { return true; }
-  std::shared_ptr<void> capture_graph(const std::function<void()>& body, bool share_uploads) override {
-    return staging_.capture(body, share_uploads);
-  }
-  void replay_graph(const std::shared_ptr<void>& graph) override { staging_.replay(graph); }
-  bool restage_graph(const std::shared_ptr<void>& graph, const std::function<void()>& body) override {
-    return staging_.restage(graph, body);
-  }
+  std::shared_ptr<void> capture_graph(const std::function<void()>& body, bool share_uploads) override;
+  void replay_graph(const std::shared_ptr<void>& graph) override;
+  bool restage_graph(const std::shared_ptr<void>& graph, const std::function<void()>& body) override;
+  void set_graph_peers(GraphPeers* peers) override { peers_ = peers; }
+  int device() const { return options_.device; }
+  const cudaDeviceProp& properties() const { return props_; }
+  const BackendOptions& options() const { return options_; }
+  // A library call that queues work on the backend's stream (NCCL's collectives), through the
+  // same path as kernels: captured into graphs, skipped while one is restaged.
+  void launch_library(const std::function<void(cudaStream_t)>& fn) { staging_.launch(fn); }
   void synchronize() override;
   void release_cached_memory() override;
   double measure_copy_gbps(int64_t bytes) override;
@@ -136,7 +140,8 @@ class CudaBackend final : public Backend {
   const float* device_inv_freq(const std::vector<float>& f);
 
   BackendOptions options_;
-  cudaDeviceProp props_;  // of device 0, which the backend selects first
+  cudaDeviceProp props_;  // of options_.device, which the backend selects first
+  GraphPeers* peers_ = nullptr;
   GraphStaging staging_;
   std::unique_ptr<LtGemm> lt_;
   KernelForms forms_;  // by rule, unless a test forces a form

@@ -25,3 +25,30 @@
 
 // After a kernel launch: reports bad launch configurations at the call site.
 #define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
+
+namespace dflash::cuda {
+
+// The current device, or `device` for a scope: what a tensor-parallel rank's memory and handles
+// are freed under when the last reference goes on another rank's thread.
+inline int current_device() {
+  int d = 0;
+  CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device_) cudaSetDevice(device_);
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_, previous_ = 0;
+};
+
+}  // namespace dflash::cuda

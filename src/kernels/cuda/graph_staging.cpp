@@ -9,16 +9,24 @@ namespace dflash::cuda {
 // Owns the stream; kept alive by every allocation so that frees stay valid.
 struct StreamOwner {
   cudaStream_t stream = nullptr;
+  int device = current_device();
   StreamOwner() { CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
-  ~StreamOwner() { cudaStreamDestroy(stream); }
+  ~StreamOwner() {
+    DeviceGuard on(device);
+    cudaStreamDestroy(stream);
+  }
   // A tensor released while the stream is captured (a step body reassigning a tensor that an
   // eager step allocated) is freed after the capture: a free queued inside it would become a
   // graph node for memory the graph does not own.
   bool capturing = false;
   std::vector<void*> deferred;
   void free(void* p) {
-    if (capturing) deferred.push_back(p);
-    else cudaFreeAsync(p, stream);
+    if (capturing) {
+      deferred.push_back(p);
+      return;
+    }
+    DeviceGuard on(device);
+    cudaFreeAsync(p, stream);
   }
   void end_capture() {
     capturing = false;
@@ -36,6 +44,7 @@ class StagingRing {
     CUDA_CHECK(cudaMalloc(&device_, size_));
   }
   ~StagingRing() {
+    DeviceGuard on(device_id_);
     cudaFreeHost(host_);
     cudaFree(device_);
   }
@@ -65,6 +74,7 @@ class StagingRing {
 
  private:
   cudaStream_t stream_;
+  int device_id_ = current_device();
   size_t size_;
   bool for_graph_;
   void* host_ = nullptr;
@@ -86,7 +96,9 @@ struct CudaGraph {
   std::shared_ptr<StagingRing> ring;
   std::vector<Upload> uploads;
   std::vector<int64_t> launch_notes;
+  int device = current_device();
   ~CudaGraph() {
+    DeviceGuard on(device);
     if (exec) cudaGraphExecDestroy(exec);
     if (replayed) cudaEventDestroy(replayed);
   }

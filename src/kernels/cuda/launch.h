@@ -5,6 +5,7 @@
 // (ids, positions, slots, page tables) are device pointers.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -252,6 +253,18 @@ void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_c
 
 // Whether the GPU holds `blocks` blocks of `threads` of `kernel` at once (occupancy x SMs).
 bool gpu_holds_grid(const void* kernel, int threads, int64_t blocks);
+
+// A per-device setting of a kernel (cudaFuncSetAttribute), made once on each device that launches
+// it (a tensor-parallel group's GPUs are one kind, so the other device queries are shared).
+template <typename Set>
+void once_per_device(std::atomic<uint64_t>& done, Set&& set) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) device = 0;
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if (done.load(std::memory_order_acquire) & bit) return;
+  set();
+  done.fetch_or(bit, std::memory_order_acq_rel);
+}
 
 // The number of SMs of the current device.
 int sm_count();

@@ -316,13 +316,12 @@ template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16, b
           bool kRouted = false>
 void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s,
                   Groups groups = {}, const RoutedRows& routed = {}) {
-  static const bool configured = [] {
+  static std::atomic<uint64_t> configured{0};
+  once_per_device(configured, [] {
     CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kWide ? kWideBlockSmem : kMaxBlockSmem)));
-    return true;
-  }();
-  (void)configured;
+  });
   const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);
   const unsigned blocks = static_cast<unsigned>((n + kPerBlock - 1) / kPerBlock);

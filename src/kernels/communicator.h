@@ -1,0 +1,59 @@
+// What tensor parallelism (model/tensor_parallel.h) needs of the devices it runs on: collectives
+// between the ranks, a backend per rank, and graphs that span the ranks.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "kernels/backend.h"
+
+namespace dflash {
+
+// Collectives of one rank of a group; every rank calls the same ones in the same order.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  // t = the sum of every rank's t, the same bits on every rank.
+  virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
+  // t = rank 0's t (same shape on every rank).
+  virtual void broadcast(Backend& be, Tensor& t) = 0;
+};
+
+// The devices of a tensor-parallel group: rank r's backend and communicator. Rank 0's backend is
+// the caller's; the others are made on the thread that runs the rank (a GPU is its thread's).
+class RankDevices {
+ public:
+  virtual ~RankDevices() = default;
+  virtual int size() const = 0;
+  virtual std::unique_ptr<Backend> make_backend(int rank) = 0;  // rank >= 1
+  virtual Communicator& comm(int rank) = 0;
+  // A rank failed: ranks waiting in a collective on the host, or arriving at one, stop with an
+  // error naming why.
+  virtual void abort(const std::string& why) = 0;
+  // After a call of the ranks, once none is inside a collective: ready for the next. alike: every
+  // rank failed with the same error (or none failed), so no rank queued a collective that another
+  // will not match; otherwise a group whose collectives run on devices stops for good (every
+  // later collective is refused with the first failure).
+  virtual void reset(bool alike) = 0;
+};
+
+// GPUs 0..size-1 of this process with NCCL communicators; rank0 must be the CUDA backend of GPU 0.
+// Error when this build has no NCCL, or the GPUs are too few or not all of one kind.
+std::unique_ptr<RankDevices> make_cuda_rank_devices(const Backend& rank0, int size);
+
+// The other ranks of a tensor-parallel group, as rank 0's backend sees them in its graphs: while
+// rank 0 captures or restages a graph, the ranks' work that its body drives is captured or
+// restaged with it, and a replay of rank 0's graph replays theirs (Backend::set_graph_peers).
+class GraphPeers {
+ public:
+  virtual ~GraphPeers() = default;
+  virtual void begin_capture(bool share_uploads) = 0;
+  // The ranks' graphs of the capture; null when one of them failed (rank 0's capture fails then).
+  virtual std::shared_ptr<void> end_capture() = 0;
+  virtual void begin_restage(const std::shared_ptr<void>& graphs) = 0;
+  virtual bool end_restage() = 0;  // false: a rank's part no longer matches its graph
+  virtual void cancel() = 0;       // rank 0's capture or restage stopped with an error
+  virtual void replay(const std::shared_ptr<void>& graphs) = 0;
+};
+
+}  // namespace dflash

@@ -6,13 +6,18 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <exception>
+#include <random>
+#include <thread>
 
 #include "engine/engine.h"
 #include "engine/serving.h"
 #include "engine_runs.h"
 #include "kernels/backend.h"
+#include "kernels/communicator.h"
 #include "model/target_model.h"
 #include "test_util.h"
+#include "util/dtype.h"
 
 namespace dflash {
 namespace {
@@ -127,6 +132,50 @@ TEST_F(CudaTensorParallel, ServingWithGraphsOverTwoGpusEqualsGenerateOpByOp) {
                 static_cast<long long>(st.graph_steps), static_cast<long long>(st.n_steps));
     const auto expected = test::generate_all(eo, mode, prompts, 200);
     for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], expected[i]) << what << ", prompt " << i;
+  }
+}
+
+// Two ranks sum their bf16 tensors: every element is the float32 sum of the two rounded once, on
+// both ranks, through the peer kernel (up to 512 KiB, vector and element paths, calls alternating
+// halves of its staging buffers) and through NCCL beyond.
+TEST_F(CudaTensorParallel, AllReduceGivesEveryRankTheRoundedSum) {
+  auto be0 = make_cuda_backend();
+  std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 4096}, {16, 4096}, {3, 1000}, {16, 4096},
+                                                           {64, 4096}, {65, 4096}, {1, 4096}};
+  using PerCase = std::vector<std::vector<float>>;
+  PerCase inputs[2], sums[2];
+  auto rank = [&](int r, Backend& be) {
+    for (size_t c = 0; c < shapes.size(); ++c) {
+      const auto [rows, cols] = shapes[c];
+      std::mt19937 rng(static_cast<uint32_t>(100 * c + r));
+      std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+      std::vector<float> x(static_cast<size_t>(rows * cols));
+      for (float& v : x) v = u(rng);
+      Tensor t = be.upload_host(x.data(), rows, cols);
+      inputs[r].push_back(be.to_host(t));
+      devices->comm(r).all_reduce_sum(be, t);
+      sums[r].push_back(be.to_host(t));
+    }
+  };
+  std::exception_ptr error;
+  std::thread one([&] {
+    try {
+      auto be1 = devices->make_backend(1);
+      rank(1, *be1);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  rank(0, *be0);
+  one.join();
+  if (error) std::rethrow_exception(error);
+  for (size_t c = 0; c < shapes.size(); ++c) {
+    ASSERT_EQ(sums[0][c], sums[1][c]) << "case " << c << ": the ranks differ";
+    size_t wrong = 0;
+    for (size_t i = 0; i < sums[0][c].size(); ++i)
+      wrong += sums[0][c][i] != bf16_to_f32(f32_to_bf16(inputs[0][c][i] + inputs[1][c][i]));
+    EXPECT_EQ(wrong, 0u) << "case " << c << " (" << shapes[c].first << " x " << shapes[c].second << ")";
   }
 }
 

@@ -17,6 +17,8 @@ class Communicator {
   virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
   // t = rank 0's t (same shape on every rank).
   virtual void broadcast(Backend& be, Tensor& t) = 0;
+  // all [size * part.rows, part.cols] = every rank's part, rank r's at rows r * part.rows.
+  virtual void all_gather(Backend& be, const Tensor& part, Tensor& all) = 0;
 };
 
 // The devices of a tensor-parallel group: rank r's backend and communicator. Rank 0's backend is

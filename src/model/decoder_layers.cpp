@@ -21,8 +21,7 @@ static TensorInfo flattened(const TensorInfo& t) {
   return f;
 }
 
-// Rows first..first+n of a 2-D checkpoint tensor.
-static TensorInfo row_slice(const TensorInfo& t, int64_t first, int64_t n) {
+TensorInfo row_slice(const TensorInfo& t, int64_t first, int64_t n) {
   TensorInfo f = t;
   const size_t row_bytes = static_cast<size_t>(t.shape[1]) * dtype_size(t.dtype);
   f.data = t.data + static_cast<size_t>(first) * row_bytes;

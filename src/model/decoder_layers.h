@@ -83,6 +83,9 @@ struct StackInputs {
   Communicator* comm = nullptr;
 };
 
+// Rows first..first+n of a 2-D checkpoint tensor (a view of its mapping).
+TensorInfo row_slice(const TensorInfo& t, int64_t first, int64_t n);
+
 // Runs all layers over `x` [rows, n_embd] (the residual stream, from Backend::alloc_f32, updated in place)
 // and returns final_norm(x).
 Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,

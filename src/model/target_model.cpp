@@ -18,7 +18,20 @@ TargetModel::TargetModel(Backend& be, const std::string& dir, const TpRank& tp, 
   w_.embed = be.upload({&store.get(prefix + "embed_tokens.weight", {v, h})});
   for (int i = 0; i < cfg_.n_layers; ++i) w_.layers.push_back(load_layer(be, store, cfg_, prefix, i, nullptr, tp));
   w_.final_norm = load_norm(be, store, cfg_, prefix + "norm.weight", h);
-  w_.lm_head = cfg_.tie_embeddings ? w_.embed : be.upload({&store.get("lm_head.weight", {v, h})});
+  // The vocabulary split over the ranks when it divides: rank r's logits are rows [r v/N,
+  // (r+1) v/N) of lm_head. Rank 0 keeps all of lm_head (its draft reads the whole).
+  const bool split = tp.sharded() && v % tp.size == 0;
+  const int64_t part = split ? v / tp.size : v, first = split ? tp.rank * part : 0;
+  if (cfg_.tie_embeddings) {
+    w_.lm_head = w_.embed;
+  } else {
+    const TensorInfo& head = store.get("lm_head.weight", {v, h});
+    const TensorInfo rows = tp.rank > 0 && split ? row_slice(head, first, part) : head;
+    w_.lm_head = be.upload({&rows});
+  }
+  if (w_.lm_head.rows > part) w_.lm_head_part = w_.lm_head.slice_rows(first, part);
+  else w_.lm_head_part = w_.lm_head;
+  n_ranks_ = tp.size;
   inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.rotary_dim());
   cfg_ = shard;  // the rank's heads and features from here on
   expert_rows_.resize(w_.layers.size());
@@ -146,7 +159,7 @@ void TargetModel::copy_own_state_slot(KvCache& cache, int32_t from, int32_t to) 
 }
 
 int64_t TargetModel::weight_bytes_per_step(const std::vector<int>* routed) const {
-  int64_t n = tensor_bytes(w_.final_norm) + tensor_bytes(w_.lm_head);
+  int64_t n = tensor_bytes(w_.final_norm) + tensor_bytes(w_.lm_head_part);
   for (size_t l = 0; l < w_.layers.size(); ++l) n += layer_bytes(w_.layers[l], routed ? (*routed)[l] : -1);
   return n;
 }
@@ -182,20 +195,20 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
   check(static_cast<int>(cache.ranks.size()) == tensor_parallel() - 1,
         "a tensor-parallel target's forward needs every rank's cache (TargetModel::alloc_cache)");
   Output out;
-  // The other ranks need neither logits nor captured layers (rank 0's lm_head and draft use
-  // them); token ids on rank 0's device reach theirs by broadcast.
+  // The other ranks need no captured layers (rank 0's draft uses them) and compute logits only
+  // for their part of the vocabulary; token ids on rank 0's device reach theirs by broadcast.
   ranks_->run(
       [&](int r) {
         TargetModel& m = ranks_->model(r);
         KvCache& c = cache.ranks[static_cast<size_t>(r - 1)];
         if (!batch.device_tokens()) {
-          m.forward_own(batch, c, {}, false);
+          m.forward_own(batch, c, {}, m.vocab_split());
           return;
         }
         ForwardBatch own = batch;
         own.from_device.ids = m.be_.alloc_ids(batch.from_device.ids.rows);
         m.comm_->broadcast(m.be_, own.from_device.ids);
-        m.forward_own(own, c, {}, false);
+        m.forward_own(own, c, {}, m.vocab_split());
       },
       [&] {
         if (batch.device_tokens()) {
@@ -205,6 +218,23 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
         out = forward_own(batch, cache, capture_layers, true);
       });
   return out;
+}
+
+bool TargetModel::vocab_split() const { return w_.lm_head_part.rows < cfg_.n_vocab; }
+
+// Every rank's logits of its part of the vocabulary, side by side (each rank takes part).
+Tensor TargetModel::gather_vocab(const Tensor& part) {
+  if (!vocab_split() || part.rows == 0) return part;
+  Tensor all = be_.alloc(part.rows * n_ranks_, part.cols);
+  comm_->all_gather(be_, part, all);
+  Tensor logits = be_.alloc(part.rows, cfg_.n_vocab);
+  std::vector<int32_t> rows(static_cast<size_t>(part.rows));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+  for (int r = 0; r < n_ranks_; ++r) {
+    Tensor cols = logits.slice_cols(r * part.cols, part.cols);
+    be_.gather_rows(all.slice_rows(r * part.rows, part.rows), rows, cols);
+  }
+  return logits;
 }
 
 TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache& cache,
@@ -235,7 +265,7 @@ TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache&
     in.captured = &out.captured;
   }
   Tensor normed = run_decoder_layers(be_, cfg_, w_.layers, inv_freq_, w_.final_norm, x, in);
-  if (logits) out.logits = lm_head_rows(be_, normed, batch.logit_rows, w_.lm_head);
+  if (logits) out.logits = gather_vocab(lm_head_rows(be_, normed, batch.logit_rows, w_.lm_head_part));
   return out;
 }
 

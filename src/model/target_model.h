@@ -20,6 +20,9 @@ struct TargetWeights {
   std::vector<LayerWeights> layers;
   Tensor final_norm;  // [1, n_embd]  model.norm
   Tensor lm_head;     // [n_vocab, n_embd]  lm_head (shares embed's storage when tied)
+  // The rows of lm_head the rank's logits come from: all of them, or its part of the vocabulary
+  // (tensor parallelism; other ranks than 0 then hold only these).
+  Tensor lm_head_part;
 };
 
 class TargetModel {
@@ -73,6 +76,8 @@ class TargetModel {
   Output forward_own(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers, bool logits);
   KvCache alloc_own_cache(int n_pages, int page_size, int n_state_slots, int tape_rows);
   void copy_own_state_slot(KvCache& cache, int32_t from, int32_t to);
+  bool vocab_split() const;
+  Tensor gather_vocab(const Tensor& part);
 
   Backend& be_;
   std::string dir_;
@@ -81,6 +86,7 @@ class TargetModel {
   TargetWeights w_;
   std::vector<float> inv_freq_;
   std::vector<Tensor> expert_rows_;  // per layer: Backend::moe's expert_rows of the last forward
+  int n_ranks_ = 1;                    // of the tensor-parallel group this model is a rank of
   std::unique_ptr<RankGroup> ranks_;  // tensor parallelism: ranks 1..; null for one rank
 };
 

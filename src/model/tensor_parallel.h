@@ -3,7 +3,8 @@
 // heads' share with their value heads (projection rows, convolution channels, gates, out_proj's
 // columns) and an N-th of every MLP's features, each routed expert's and the shared expert's
 // included (gate/up rows, down_proj's columns; the router is whole, so every rank routes alike);
-// embedding, norms and lm_head are whole on every rank. Each
+// embedding and norms are whole on every rank, lm_head's rows (the vocabulary) are split when they
+// divide (rank 0 keeps the whole for the draft), the ranks' logits gathered. Each
 // rank runs the ordinary forward over its shard; the attention's and the MLP's outputs, partial
 // sums over the ranks' heads and features, are summed across ranks (Communicator) before they join
 // the residual stream, which so stays the same on every rank.
@@ -58,6 +59,7 @@ class HostCommunicator final : public Communicator {
   HostCommunicator(HostGroup& group, int rank) : group_(group), rank_(rank) {}
   void all_reduce_sum(Backend& be, Tensor& t) override;
   void broadcast(Backend& be, Tensor& t) override;
+  void all_gather(Backend& be, const Tensor& part, Tensor& all) override;
 
  private:
   HostGroup& group_;

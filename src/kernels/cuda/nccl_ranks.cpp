@@ -10,6 +10,7 @@
 
 #include "kernels/communicator.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/peer_all_reduce.h"
 #include "util/error.h"
 
 #define NCCL_CHECK(call)                                                                                 \
@@ -38,13 +39,94 @@ ncclDataType_t nccl_type(const Tensor& t) {
   }
 }
 
+// The group's memory for launch_peer_all_reduce: on each GPU its staging buffer, flags and call
+// counts (zeroed), and one host-mapped stop flag. Only where every GPU reaches every other.
+class PeerMemory {
+ public:
+  explicit PeerMemory(int size) {
+    for (int i = 0; i < size; ++i)
+      for (int j = 0; j < size; ++j) {
+        int ok = 0;
+        if (i != j && (cudaDeviceCanAccessPeer(&ok, i, j) != cudaSuccess || !ok)) return;  // NCCL alone then
+      }
+    check(size <= cuda::kPeerMaxRanks, "peer all-reduce: at most ", cuda::kPeerMaxRanks, " GPUs");
+    CUDA_CHECK(cudaHostAlloc(&stop_, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+    *stop_ = 0;
+    args_.resize(static_cast<size_t>(size));
+    for (int d = 0; d < size; ++d) {
+      cuda::DeviceGuard on(d);
+      for (int p = 0; p < size; ++p) {
+        if (p == d) continue;
+        const cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+        else CUDA_CHECK(e);
+      }
+      void* staging = nullptr;
+      void* flags = nullptr;
+      void* calls = nullptr;
+      CUDA_CHECK(cudaMalloc(&staging, 2 * cuda::kPeerMaxBytes));
+      CUDA_CHECK(cudaMalloc(&flags, sizeof(uint32_t) * cuda::kPeerMaxBlocks * cuda::kPeerMaxRanks));
+      CUDA_CHECK(cudaMalloc(&calls, sizeof(uint32_t) * cuda::kPeerMaxBlocks));
+      CUDA_CHECK(cudaMemset(flags, 0, sizeof(uint32_t) * cuda::kPeerMaxBlocks * cuda::kPeerMaxRanks));
+      CUDA_CHECK(cudaMemset(calls, 0, sizeof(uint32_t) * cuda::kPeerMaxBlocks));
+      CUDA_CHECK(cudaDeviceSynchronize());
+      owned_.push_back({d, staging});
+      owned_.push_back({d, flags});
+      owned_.push_back({d, calls});
+      for (int r = 0; r < size; ++r) {
+        args_[static_cast<size_t>(r)].staging[d] = static_cast<cuda::bf16*>(staging);
+        args_[static_cast<size_t>(r)].flags[d] = static_cast<uint32_t*>(flags);
+      }
+      args_[static_cast<size_t>(d)].calls = static_cast<uint32_t*>(calls);
+      args_[static_cast<size_t>(d)].rank = d;
+      args_[static_cast<size_t>(d)].n_ranks = size;
+      args_[static_cast<size_t>(d)].stop = stop_;
+    }
+  }
+  ~PeerMemory() {
+    for (const auto& [device, p] : owned_) {
+      cuda::DeviceGuard on(device);
+      cudaFree(p);
+    }
+    if (stop_) cudaFreeHost(stop_);
+  }
+  // Null where the GPUs lack peer access.
+  const cuda::PeerAllReduceArgs* args(int rank) const {
+    return args_.empty() ? nullptr : &args_[static_cast<size_t>(rank)];
+  }
+  void stop() {
+    if (stop_) *static_cast<volatile int*>(stop_) = 1;
+  }
+
+ private:
+  int* stop_ = nullptr;
+  std::vector<cuda::PeerAllReduceArgs> args_;
+  std::vector<std::pair<int, void*>> owned_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, const std::string* stopped) : comm_(comm), stopped_(stopped) {}
+  NcclCommunicator(ncclComm_t comm, const cuda::PeerAllReduceArgs* peer, const std::string* stopped)
+      : comm_(comm), peer_(peer), stopped_(stopped) {}
   void all_reduce_sum(Backend& be, Tensor& t) override {
     auto& c = ready(be, t, "all-reduce");
+    const int64_t n = t.rows * t.cols;
+    if (peer_ && t.dtype == DType::BF16 && 2 * n <= cuda::kPeerMaxBytes) {
+      c.launch_library([&](cudaStream_t s) { cuda::launch_peer_all_reduce(*peer_, static_cast<cuda::bf16*>(t.data), n, s); });
+      return;
+    }
     c.launch_library([&](cudaStream_t s) {
       NCCL_CHECK(ncclAllReduce(t.data, t.data, static_cast<size_t>(t.rows * t.cols), nccl_type(t), ncclSum, comm_, s));
+    });
+  }
+  void all_gather(Backend& be, const Tensor& part, Tensor& all) override {
+    auto& c = ready(be, part, "all-gather");
+    ready(be, all, "all-gather");
+    check(all.rows % part.rows == 0 && all.cols == part.cols && all.dtype == part.dtype,
+          "NCCL all-gather: the result must hold every rank's part");
+    c.launch_library([&](cudaStream_t s) {
+      NCCL_CHECK(ncclAllGather(part.data, all.data, static_cast<size_t>(part.rows * part.cols), nccl_type(part), comm_,
+                               s));
     });
   }
   void broadcast(Backend& be, Tensor& t) override {
@@ -62,6 +144,7 @@ class NcclCommunicator final : public Communicator {
     return cuda_of(be);
   }
   ncclComm_t comm_;
+  const cuda::PeerAllReduceArgs* peer_;
   const std::string* stopped_;
 };
 
@@ -84,8 +167,10 @@ class NcclRankDevices final : public RankDevices {
     std::vector<int> devices(static_cast<size_t>(size));
     for (int d = 0; d < size; ++d) devices[static_cast<size_t>(d)] = d;
     NCCL_CHECK(ncclCommInitAll(comms_.data(), size, devices.data()));
+    peer_ = std::make_unique<PeerMemory>(size);
     CUDA_CHECK(cudaSetDevice(0));  // the caller's thread runs rank 0
-    for (int r = 0; r < size; ++r) communicators_.push_back(std::make_unique<NcclCommunicator>(comms_[static_cast<size_t>(r)], &stopped_));
+    for (int r = 0; r < size; ++r)
+      communicators_.push_back(std::make_unique<NcclCommunicator>(comms_[static_cast<size_t>(r)], peer_->args(r), &stopped_));
   }
   ~NcclRankDevices() override {
     for (ncclComm_t c : comms_) {
@@ -113,6 +198,7 @@ class NcclRankDevices final : public RankDevices {
     if (!alike && !failure_.empty() && !aborted_) {
       stopped_ = failure_;
       aborted_ = true;
+      peer_->stop();
       for (ncclComm_t c : comms_) ncclCommAbort(c);
     }
     failure_.clear();
@@ -121,6 +207,7 @@ class NcclRankDevices final : public RankDevices {
  private:
   BackendOptions options_;
   std::vector<ncclComm_t> comms_;
+  std::unique_ptr<PeerMemory> peer_;
   std::vector<std::unique_ptr<NcclCommunicator>> communicators_;
   std::mutex mu_;
   std::string failure_;  // of the call under way

@@ -32,10 +32,11 @@ class CudaTensorParallel : public ::testing::Test {
   }
 };
 
-// Every fixture pair whose shards the CUDA kernels take (qwen3_5_moe_untied_bf16's experts are 20
-// features wide: 10 a rank, and the routed kernels need multiples of 8).
+// Every fixture pair whose shards the CUDA kernels take: the routed kernels need experts of a
+// multiple of 8 features, which qwen3_5_moe_untied_bf16's (20) and qwen3_next_untied's (24) are
+// not once halved.
 const char* const kPairs[] = {"qwen3_gqa_tied", "llama_gqa4_bias_sharded", "trained_qwen3", "qwen3_moe_tied",
-                              "trained_qwen3_moe", "qwen3_5_tied", "trained_qwen3_5", "qwen3_next_untied"};
+                              "trained_qwen3_moe", "qwen3_5_tied", "trained_qwen3_5"};
 
 // Prefill logits of a 100-token prompt and of 3 decoded tokens after it.
 std::vector<float> logits_of(Backend& be, TargetModel& m, const std::vector<int32_t>& prompt) {
@@ -57,8 +58,8 @@ std::vector<float> logits_of(Backend& be, TargetModel& m, const std::vector<int3
 
 // The ranks' partial sums are rounded to bf16 before the all-reduce adds them (one GPU rounds the
 // whole sum once): the logits move by about as much as bf16 moves them anywhere, more where a
-// token's routing flips between near-tied experts (H200: dense 0.7e-2 to 1.1e-2, qwen3_moe_tied
-// 3.1e-2, trained_qwen3_moe 5.0e-2, qwen3_5_tied 2.2e-2).
+// token's routing flips between near-tied experts (H100 and H200 alike: dense 0.7e-2 to 1.1e-2,
+// qwen3_5_tied 2.2e-2, trained_qwen3_5 2.6e-2, qwen3_moe_tied 3.1e-2, trained_qwen3_moe 5.0e-2).
 TEST_F(CudaTensorParallel, LogitsOverTwoGpusTrackOneGpu) {
   auto be = make_cuda_backend();
   std::vector<int32_t> prompt(100);
@@ -77,7 +78,7 @@ TEST_F(CudaTensorParallel, LogitsOverTwoGpusTrackOneGpu) {
     }
     const double err = test::rel_l2_error(two, one);
     std::printf("[%s] logits over 2 GPUs vs 1: rel. L2 error %.2e\n", name, err);
-    const bool dense = std::string(name).find("moe") == std::string::npos && std::string(name) != "qwen3_next_untied";
+    const bool dense = std::string(name).find("moe") == std::string::npos;
     EXPECT_LE(err, dense ? 3e-2 : 7e-2) << name;
   }
 }

@@ -43,9 +43,9 @@ __global__ void __launch_bounds__(kThreads) peer_all_reduce_kernel(PeerAllReduce
     ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system> to_peer(a.flags[q][b * kPeerMaxRanks + a.rank]);
     to_peer.store(call, ::cuda::memory_order_release);
     ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system> from_peer(a.flags[a.rank][b * kPeerMaxRanks + q]);
-    while (from_peer.load(::cuda::memory_order_acquire) < call) {
-      if (*a.stop) break;
-    }
+    // The stop flag lives in host memory (a read crosses PCIe): looked at once every 4096 polls.
+    for (uint32_t polls = 1; from_peer.load(::cuda::memory_order_acquire) < call; ++polls)
+      if (polls % 4096 == 0 && *a.stop) break;
   }
   __syncthreads();
   for (int64_t i = begin + threadIdx.x * 8; i < end; i += int64_t{kThreads} * 8) {

@@ -178,6 +178,28 @@ TEST(Cli, GenerateJsonPlainAndDFlash) {
   EXPECT_EQ(jp["tokens"].get<std::vector<int>>(), std::vector<int>(expected.begin(), expected.begin() + 40));
 }
 
+// --tensor-parallel on the command line: the CPU backend's ranks give the reference tokens (plain
+// and DFlash); a split that does not divide is refused naming the field.
+TEST(Cli, GenerateOverTensorParallelRanks) {
+  const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
+  const auto prompt = meta["prompts"][1].get<std::vector<int>>();
+  std::string ids;
+  for (size_t i = 0; i < prompt.size(); ++i) ids += (i ? "," : "") + std::to_string(prompt[i]);
+  const std::string base = "generate --device cpu --model " + fixture("targets/trained_qwen3") + " --prompt-ids " +
+                           ids + " --max-tokens 24 --json --tensor-parallel ";
+  const auto expected = meta["greedy"][1].get<std::vector<int>>();
+  for (const std::string& extra : {std::string(), " --draft " + fixture("drafts/trained_qwen3_b16")}) {
+    const auto r = run_cli(base + "2" + extra);
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["tokens"].get<std::vector<int>>(),
+              std::vector<int>(expected.begin(), expected.begin() + 24))
+        << extra;
+  }
+  const auto bad = run_cli(base + "3");  // 4 attention heads
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("num_attention_heads"), std::string::npos) << bad.err;
+}
+
 TEST(Cli, InspectTargetAndDraft) {
   const auto t = run_cli("inspect " + fixture("targets/llama_gqa4_bias_sharded"));
   ASSERT_EQ(t.status, 0) << t.err;

@@ -71,7 +71,8 @@ TEST(TensorParallel, EveryRankGivesTheWholeModelsLogits) {
     int size;
   } cases[] = {{"qwen3_gqa_tied", 2},       {"llama_gqa4_bias_sharded", 2}, {"qwen3_mha_untied_bf16", 2},
                {"qwen3_mha_untied_bf16", 4}, {"qwen3_moe_tied", 2},          {"qwen3_moe_untied_bf16", 4},
-               {"qwen3_5_tied", 2},          {"qwen3_5_moe_untied_bf16", 2}, {"qwen3_next_untied", 2}};
+               {"qwen3_5_tied", 2},          {"qwen3_5_moe_untied_bf16", 2}, {"qwen3_next_untied", 2},
+               {"qwen3_gqa_tied", 4},        {"llama_gqa4_bias_sharded", 4}};  // 2 KV heads over 4 ranks: replicated
   for (const auto& c : cases) {
     const std::string dir = fixture(std::string("targets/") + c.target);
     auto be = make_cpu_backend();
@@ -205,7 +206,7 @@ TEST(TensorParallel, ShapesThatDoNotDivideAreRefused) {
     }
   };
   expect_refused("qwen3_gqa_tied", 3, "num_attention_heads");   // 4 heads
-  expect_refused("qwen3_gqa_tied", 4, "num_key_value_heads");   // 2 KV heads
+  expect_refused("qwen3_gqa_tied", 8, "num_attention_heads");   // fewer heads than ranks
   expect_refused("qwen3_moe_untied_bf16", 3, "num_attention_heads");
   expect_refused("qwen3_5_moe_untied_bf16", 4, "linear_num_key_heads");  // 2 key heads
 }

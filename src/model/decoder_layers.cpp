@@ -74,6 +74,13 @@ struct Share {
 
 static Share share_of(int64_t n, const TpRank& tp) { return {tp.rank * (n / tp.size), n / tp.size}; }
 
+// A rank's KV heads: its share, or with fewer KV heads than ranks the one its query heads read
+// (replicated on size / n ranks; shard_config).
+static Share kv_share_of(int64_t n, const TpRank& tp) {
+  if (n % tp.size == 0) return share_of(n, tp);
+  return {tp.rank / (tp.size / n), 1};
+}
+
 // Rows [sh.first, sh.first + sh.count) times `unit` of a 2-D checkpoint tensor.
 static TensorInfo rows_of(const TensorInfo& t, Share sh, int64_t unit = 1) {
   return row_slice(t, sh.first * unit, sh.count * unit);
@@ -99,7 +106,7 @@ static Tensor upload_all(Backend& be, const std::vector<TensorInfo>& parts) {
 static void load_attention(Backend& be, const TensorStore& s, const ModelConfig& c, const std::string& p,
                            const TpRank& tp, const Tensor* qkv, LayerWeights& w) {
   const int64_t h = c.n_embd, d = c.head_dim, q_dim = int64_t{c.n_heads} * d, kv_dim = int64_t{c.n_kv_heads} * d;
-  const Share heads = share_of(c.n_heads, tp), kv = share_of(c.n_kv_heads, tp);
+  const Share heads = share_of(c.n_heads, tp), kv = kv_share_of(c.n_kv_heads, tp);
   std::vector<std::vector<uint8_t>> keep;
   const TensorInfo& k = s.get(p + "self_attn.k_proj.weight", {kv_dim, h});
   const TensorInfo& v = s.get(p + "self_attn.v_proj.weight", {kv_dim, h});

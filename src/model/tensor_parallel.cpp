@@ -17,7 +17,10 @@ ModelConfig shard_config(const ModelConfig& full, const TpRank& tp, const std::s
   };
   ModelConfig c = full;
   c.n_heads = divide(full.n_heads, "num_attention_heads");
-  c.n_kv_heads = divide(full.n_kv_heads, "num_key_value_heads");
+  // Fewer KV heads than ranks: each rank keeps the one its query heads read (a KV head's query
+  // heads then span whole ranks).
+  if (full.n_kv_heads > 0 && full.n_kv_heads < tp.size && tp.size % full.n_kv_heads == 0) c.n_kv_heads = 1;
+  else c.n_kv_heads = divide(full.n_kv_heads, "num_key_value_heads");
   if (full.n_ff > 0) c.n_ff = divide(full.n_ff, "intermediate_size");
   if (!full.moe_layer.empty()) {
     c.moe.n_ff = divide(full.moe.n_ff, "moe_intermediate_size");

@@ -1,5 +1,6 @@
 // Tensor parallelism, Megatron style: rank r of N holds heads [r*H/N, (r+1)*H/N) of every
-// attention layer (their q/k/v rows and o_proj's columns), of every Gated DeltaNet layer its key
+// attention layer (their q/k/v rows and o_proj's columns; with fewer KV heads than ranks, the KV
+// head they read, replicated), of every Gated DeltaNet layer its key
 // heads' share with their value heads (projection rows, convolution channels, gates, out_proj's
 // columns) and an N-th of every MLP's features, each routed expert's and the shared expert's
 // included (gate/up rows, down_proj's columns; the router is whole, so every rank routes alike);

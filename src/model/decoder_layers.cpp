@@ -7,12 +7,6 @@
 
 namespace dflash {
 
-std::vector<const TensorInfo*> qkv_parts(const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i) {
-  const std::string p = cat(prefix, "layers.", i, ".");
-  const int64_t h = c.n_embd, q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
-  return {&s.get(p + "self_attn.q_proj.weight", {q_dim, h}), &s.get(p + "self_attn.k_proj.weight", {kv_dim, h}),
-          &s.get(p + "self_attn.v_proj.weight", {kv_dim, h})};
-}
 
 // A 3-D checkpoint tensor [n, rows, cols] seen as the 2-D [n * rows, cols] it is in memory.
 static TensorInfo flattened(const TensorInfo& t) {
@@ -92,6 +86,16 @@ static TensorInfo cols_of(const TensorInfo& t, Share sh, std::vector<std::vector
   return sh.first == 0 && sh.count == t.shape.back() ? t : col_slice(t, sh.first, sh.count, keep);
 }
 
+std::vector<TensorInfo> qkv_parts(const TensorStore& s, const ModelConfig& c, const std::string& prefix, int i,
+                                  const TpRank& tp) {
+  const std::string p = cat(prefix, "layers.", i, ".");
+  const int64_t h = c.n_embd, d = c.head_dim, q_dim = int64_t{c.n_heads} * d, kv_dim = int64_t{c.n_kv_heads} * d;
+  const Share heads = share_of(c.n_heads, tp), kv = kv_share_of(c.n_kv_heads, tp);
+  return {rows_of(s.get(p + "self_attn.q_proj.weight", {q_dim, h}), heads, d),
+          rows_of(s.get(p + "self_attn.k_proj.weight", {kv_dim, h}), kv, d),
+          rows_of(s.get(p + "self_attn.v_proj.weight", {kv_dim, h}), kv, d)};
+}
+
 // Uploads parts held by value, in order.
 static Tensor upload_all(Backend& be, const std::vector<TensorInfo>& parts) {
   std::vector<const TensorInfo*> ptrs;
@@ -121,7 +125,7 @@ static void load_attention(Backend& be, const TensorStore& s, const ModelConfig&
     w.qkv = upload_all(be, parts);
   } else {
     const TensorInfo& q = s.get(p + "self_attn.q_proj.weight", {q_dim, h});
-    w.qkv = qkv && !tp.sharded() ? *qkv : upload_all(be, {rows_of(q, heads, d), rows_of(k, kv, d), rows_of(v, kv, d)});
+    w.qkv = qkv ? *qkv : upload_all(be, {rows_of(q, heads, d), rows_of(k, kv, d), rows_of(v, kv, d)});
   }
   w.o = upload_all(be, {cols_of(s.get(p + "self_attn.o_proj.weight", {h, q_dim}), {heads.first * d, heads.count * d}, keep)});
   if (c.attention_bias) {

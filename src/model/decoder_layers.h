@@ -55,10 +55,12 @@ int64_t layer_bytes(const LayerWeights& w, int routed_experts = -1);
 Tensor load_norm(Backend& be, const TensorStore& store, const ModelConfig& c, const std::string& name, int64_t n);
 
 // Loads layer `i` with tensor names `prefix`layers.i.*, checking every shape.
-// The q/k/v weight parts of layer i, in the order they stack (q_proj, k_proj, v_proj), shape-checked.
-std::vector<const TensorInfo*> qkv_parts(const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i);
+// The q/k/v weight parts of layer i, in the order they stack (q_proj, k_proj, v_proj),
+// shape-checked: rank tp.rank's rows of them (views of the checkpoint).
+std::vector<TensorInfo> qkv_parts(const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i,
+                                  const TpRank& tp = {});
 // Uploads layer i; with `qkv`, that tensor (already uploaded, e.g. a slice of several layers'
-// weights in one allocation) is its q/k/v weight. With `tp` sharded, rank tp.rank's shard of it
+// weights in one allocation: qkv_parts with the same `tp`) is its q/k/v weight. With `tp` sharded, rank tp.rank's shard of it
 // (tensor_parallel.h; `c` is the whole model's config, the shapes checked are the checkpoint's).
 LayerWeights load_layer(Backend& be, const TensorStore& store, const ModelConfig& c, const std::string& prefix, int i,
                         const Tensor* qkv = nullptr, const TpRank& tp = {});

@@ -5,8 +5,21 @@
 
 namespace dflash {
 
-DraftModel::DraftModel(Backend& be, const std::string& dir, const TargetModel& target)
-    : be_(be), dir_(dir), target_(target), cfg_(load_draft_config(dir)) {
+DraftModel::DraftModel(Backend& be, const std::string& dir, TargetModel& target)
+    : DraftModel(be, dir, target, TpRank{0, target.tensor_parallel()}, target.communicator()) {
+  RankGroup* group = target.rank_group();
+  if (!group) return;
+  ranks_.resize(static_cast<size_t>(group->size() - 1));
+  group->run(
+      [&](int r) {
+        ranks_[static_cast<size_t>(r - 1)] = std::unique_ptr<DraftModel>(
+            new DraftModel(group->backend(r), dir, group->model(r), TpRank{r, group->size()}, group->comm(r)));
+      },
+      [] {});
+}
+
+DraftModel::DraftModel(Backend& be, const std::string& dir, TargetModel& target, const TpRank& tp, Communicator* comm)
+    : be_(be), dir_(dir), target_(target), cfg_(load_draft_config(dir)), comm_(comm) {
   const ModelConfig& t = target.config();
   const ModelConfig& c = cfg_.layers;
   const std::string where = dir + "/config.json";
@@ -15,43 +28,76 @@ DraftModel::DraftModel(Backend& be, const std::string& dir, const TargetModel& t
         " but the target has ", t.n_layers, " layers");
   check(cfg_.mask_token_id < t.n_vocab, where, ": mask_token_id ", cfg_.mask_token_id,
         " is outside the target vocabulary (", t.n_vocab, ")");
+  const ModelConfig shard = shard_config(c, tp, where);  // refused here, before any weight is read
   const TensorStore store = TensorStore::open(dir);
   const int64_t h = c.n_embd, n_ctx = static_cast<int64_t>(cfg_.target_layer_ids.size());
-  w_.fc = be.upload({&store.get("fc.weight", {h, n_ctx * h})});
+  if (tp.rank == 0) w_.fc = be.upload({&store.get("fc.weight", {h, n_ctx * h})});  // rank 0 projects for all
   w_.hidden_norm = be.upload({&store.get("hidden_norm.weight", {h})});
   w_.final_norm = be.upload({&store.get("norm.weight", {h})});
-  std::vector<const TensorInfo*> qkv;
+  std::vector<TensorInfo> qkv;
   for (int i = 0; i < c.n_layers; ++i)
-    for (const TensorInfo* part : qkv_parts(store, c, "", i)) qkv.push_back(part);
-  w_.qkv_all = be.upload(qkv);
+    for (const TensorInfo& part : qkv_parts(store, c, "", i, tp)) qkv.push_back(part);
+  std::vector<const TensorInfo*> qkv_ptrs;
+  for (const TensorInfo& part : qkv) qkv_ptrs.push_back(&part);
+  w_.qkv_all = be.upload(qkv_ptrs);
   const int64_t per_layer = w_.qkv_all.rows / c.n_layers;
   for (int i = 0; i < c.n_layers; ++i) {
     const Tensor layer_qkv = w_.qkv_all.slice_rows(i * per_layer, per_layer);
-    w_.layers.push_back(load_layer(be, store, c, "", i, &layer_qkv));
+    w_.layers.push_back(load_layer(be, store, c, "", i, &layer_qkv, tp));
   }
   inv_freq_ = rope_inv_freq(c.rope, c.head_dim);
+  cfg_.layers = shard;  // the rank's heads and features from here on
 }
+
+DraftModel::~DraftModel() = default;
 
 int64_t DraftModel::weight_bytes_per_step() const {
   int64_t n = tensor_bytes(w_.fc) + tensor_bytes(w_.hidden_norm) + tensor_bytes(w_.final_norm) +
-              tensor_bytes(target_.weights().lm_head);
+              tensor_bytes(target_.weights().lm_head_part);
   for (const auto& l : w_.layers) n += layer_bytes(l);
   return n;
 }
 
 KvCache DraftModel::alloc_cache(int n_pages, int page_size) {
-  return be_.alloc_kv(cfg_.layers.n_layers, n_pages, page_size, cfg_.layers.n_kv_heads, cfg_.layers.head_dim);
+  const ModelConfig& c = cfg_.layers;
+  if (ranks_.empty()) return be_.alloc_kv(c.n_layers, n_pages, page_size, c.n_kv_heads, c.head_dim);
+  KvCache cache;
+  std::vector<KvCache> others(ranks_.size());
+  target_.rank_group()->run(
+      [&](int r) { others[static_cast<size_t>(r - 1)] = ranks_[static_cast<size_t>(r - 1)]->alloc_cache(n_pages, page_size); },
+      [&] { cache = be_.alloc_kv(c.n_layers, n_pages, page_size, c.n_kv_heads, c.head_dim); });
+  cache.ranks = std::move(others);
+  return cache;
 }
 
 void DraftModel::project_context(const Tensor& features, const ForwardBatch& batch, KvCache& cache) {
   const ModelConfig& c = cfg_.layers;
-  const int64_t n = batch.n_rows(), q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
+  const int64_t n = batch.n_rows();
   check(features.rows == n && features.cols == w_.fc.cols, "draft context: features shape mismatch");
   if (n == 0) return;
   Tensor projected = be_.alloc(n, c.n_embd);
   Tensor ctx = be_.alloc(n, c.n_embd);
   be_.matmul(features, w_.fc, nullptr, projected);
   be_.rms_norm(projected, w_.hidden_norm, c.rms_norm_eps, ctx);
+  if (ranks_.empty()) return project_own(ctx, batch, cache);
+  check(static_cast<int>(cache.ranks.size()) == static_cast<int>(ranks_.size()),
+        "a tensor-parallel draft's context needs every rank's cache (DraftModel::alloc_cache)");
+  target_.rank_group()->run(
+      [&](int r) {
+        DraftModel& d = *ranks_[static_cast<size_t>(r - 1)];
+        Tensor own = d.be_.alloc(n, c.n_embd);
+        d.comm_->broadcast(d.be_, own);
+        d.project_own(own, batch, cache.ranks[static_cast<size_t>(r - 1)]);
+      },
+      [&] {
+        comm_->broadcast(be_, ctx);
+        project_own(ctx, batch, cache);
+      });
+}
+
+void DraftModel::project_own(const Tensor& ctx, const ForwardBatch& batch, KvCache& cache) {
+  const ModelConfig& c = cfg_.layers;
+  const int64_t n = batch.n_rows(), q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   if (w_.layers[0].qkv_bias.empty()) {
     // Every layer's k/v rows in one product, then one k norm + RoPE + cache write for all layers.
     const int n_layers = static_cast<int>(w_.layers.size());
@@ -75,6 +121,18 @@ void DraftModel::project_context(const Tensor& features, const ForwardBatch& bat
 }
 
 Tensor DraftModel::forward_block(const ForwardBatch& batch, KvCache& cache) {
+  if (ranks_.empty()) return forward_own(batch, cache);
+  check(!batch.device_tokens(), "a tensor-parallel draft takes its block's tokens from the host");
+  check(static_cast<int>(cache.ranks.size()) == static_cast<int>(ranks_.size()),
+        "a tensor-parallel draft's forward needs every rank's cache (DraftModel::alloc_cache)");
+  Tensor logits;
+  target_.rank_group()->run(
+      [&](int r) { ranks_[static_cast<size_t>(r - 1)]->forward_own(batch, cache.ranks[static_cast<size_t>(r - 1)]); },
+      [&] { logits = forward_own(batch, cache); });
+  return logits;
+}
+
+Tensor DraftModel::forward_own(const ForwardBatch& batch, KvCache& cache) {
   const ModelConfig& c = cfg_.layers;
   Tensor x = be_.alloc_f32(batch.n_rows(), c.n_embd);  // the residual stream, float32
   be_.embed(target_.weights().embed, batch.token_ids, x, batch.device_tokens());
@@ -83,8 +141,9 @@ Tensor DraftModel::forward_block(const ForwardBatch& batch, KvCache& cache) {
   in.kv_slots = &batch.kv_slots;
   in.segments = &batch.segments;
   in.cache = &cache;
+  in.comm = comm_;
   Tensor normed = run_decoder_layers(be_, c, w_.layers, inv_freq_, w_.final_norm, x, in);
-  return lm_head_rows(be_, normed, batch.logit_rows, target_.weights().lm_head);
+  return target_.logits_of(normed, batch.logit_rows);
 }
 
 }  // namespace dflash

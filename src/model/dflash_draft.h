@@ -4,6 +4,7 @@
 // bidirectional attention over [cached context K/V] ++ [block K/V].
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -26,8 +27,12 @@ struct DraftWeights {
 
 class DraftModel {
  public:
-  // Checks that the draft fits `target` (hidden size, layer ids, mask token).
-  DraftModel(Backend& be, const std::string& dir, const TargetModel& target);
+  // Checks that the draft fits `target` (hidden size, layer ids, mask token). With a
+  // tensor-parallel target, the draft is split the same way (its heads and features; fc whole on
+  // rank 0, which broadcasts the projected context) and this object, rank 0, owns the other
+  // ranks' drafts: its forwards run on every rank (through the target's RankGroup).
+  DraftModel(Backend& be, const std::string& dir, TargetModel& target);
+  ~DraftModel();
 
   // Context projection, once per committed token: c = hidden_norm(fc(features)),
   // then per layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c) written to `cache`
@@ -41,18 +46,27 @@ class DraftModel {
   Tensor forward_block(const ForwardBatch& batch, KvCache& cache);
 
   KvCache alloc_cache(int n_pages, int page_size);
-  // Weight bytes a draft step reads: fc, norms, layers and the target's lm_head.
+  // Weight bytes a draft step reads: fc, norms, layers and the target's lm_head (this rank's).
   int64_t weight_bytes_per_step() const;
+  // config().layers is the rank's shape (its heads and features).
   const DraftConfig& config() const { return cfg_; }
   const std::string& dir() const { return dir_; }
 
  private:
+  // One rank of a tensor-parallel draft (`target` being that rank's target).
+  DraftModel(Backend& be, const std::string& dir, TargetModel& target, const TpRank& tp, Communicator* comm);
+  // The context's k/v rows of every layer from ctx = hidden_norm(fc(features)).
+  void project_own(const Tensor& ctx, const ForwardBatch& batch, KvCache& cache);
+  Tensor forward_own(const ForwardBatch& batch, KvCache& cache);
+
   Backend& be_;
   std::string dir_;
-  const TargetModel& target_;
+  TargetModel& target_;
   DraftConfig cfg_;
   DraftWeights w_;
   std::vector<float> inv_freq_;
+  Communicator* comm_ = nullptr;
+  std::vector<std::unique_ptr<DraftModel>> ranks_;  // tensor parallelism: ranks 1..; empty for one rank
 };
 
 }  // namespace dflash

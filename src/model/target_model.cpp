@@ -41,7 +41,7 @@ TargetModel::TargetModel(Backend& be, const std::string& dir, const TpRank& tp, 
 
 namespace {
 
-std::unique_ptr<RankGroup> rank_group(Backend& be, const std::string& dir, int tensor_parallel) {
+std::unique_ptr<RankGroup> make_rank_group(Backend& be, const std::string& dir, int tensor_parallel) {
   if (tensor_parallel <= 1) return nullptr;
   return std::make_unique<RankGroup>(dir, be.name() == "cpu" ? make_host_rank_devices(tensor_parallel)
                                                              : make_cuda_rank_devices(be, tensor_parallel));
@@ -50,7 +50,7 @@ std::unique_ptr<RankGroup> rank_group(Backend& be, const std::string& dir, int t
 }  // namespace
 
 TargetModel::TargetModel(Backend& be, const std::string& dir, int tensor_parallel)
-    : TargetModel(be, dir, rank_group(be, dir, tensor_parallel)) {}
+    : TargetModel(be, dir, make_rank_group(be, dir, tensor_parallel)) {}
 
 // The other ranks load on their threads while this one loads here.
 TargetModel::TargetModel(Backend& be, const std::string& dir, std::unique_ptr<RankGroup> ranks)
@@ -222,9 +222,10 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
 
 bool TargetModel::vocab_split() const { return w_.lm_head_part.rows < cfg_.n_vocab; }
 
-// Every rank's logits of its part of the vocabulary, side by side (each rank takes part).
-Tensor TargetModel::gather_vocab(const Tensor& part) {
+Tensor TargetModel::logits_of(const Tensor& normed, const std::vector<int32_t>& which) {
+  const Tensor part = lm_head_rows(be_, normed, which, w_.lm_head_part);
   if (!vocab_split() || part.rows == 0) return part;
+  // Every rank's logits of its part of the vocabulary, side by side.
   Tensor all = be_.alloc(part.rows * n_ranks_, part.cols);
   comm_->all_gather(be_, part, all);
   Tensor logits = be_.alloc(part.rows, cfg_.n_vocab);
@@ -265,7 +266,7 @@ TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache&
     in.captured = &out.captured;
   }
   Tensor normed = run_decoder_layers(be_, cfg_, w_.layers, inv_freq_, w_.final_norm, x, in);
-  if (logits) out.logits = gather_vocab(lm_head_rows(be_, normed, batch.logit_rows, w_.lm_head_part));
+  if (logits) out.logits = logits_of(normed, batch.logit_rows);
   return out;
 }
 

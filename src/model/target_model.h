@@ -46,6 +46,12 @@ class TargetModel {
   // (layer j's output = residual stream after layer j = HF hidden_states[j+1]).
   Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
   int tensor_parallel() const;
+  // Rank 0 of a tensor-parallel target: the other ranks (null with one rank) and its communicator.
+  RankGroup* rank_group() const { return ranks_.get(); }
+  Communicator* communicator() const { return comm_; }
+  // Logits of `rows` of final-normed hidden states through lm_head (the draft's too): with the
+  // vocabulary split, this rank's part, gathered from every rank (which all call it together).
+  Tensor logits_of(const Tensor& normed, const std::vector<int32_t>& rows);
   // Sums x (rank 0's, [rows, n_embd] in the activation type) with a tensor of its shape on every
   // other rank, as each layer does twice (bench-step times it). Nothing with one rank.
   void all_reduce_rows(Tensor& x);
@@ -77,7 +83,6 @@ class TargetModel {
   KvCache alloc_own_cache(int n_pages, int page_size, int n_state_slots, int tape_rows);
   void copy_own_state_slot(KvCache& cache, int32_t from, int32_t to);
   bool vocab_split() const;
-  Tensor gather_vocab(const Tensor& part);
 
   Backend& be_;
   std::string dir_;

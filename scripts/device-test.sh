@@ -13,8 +13,8 @@
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
 # Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 fixtures-qwen3_next tests logits sites bench bench-moe bench-qwen3_5 profile ab builds serving
-# serving-moe ttft sampling ncu ncu-decode graphs tp" (default: tests logits bench serving; tp needs a kind
-# with several GPUs, TP of them).
+# serving-moe ttft sampling ncu ncu-decode graphs tp serving-tp" (default: tests logits bench serving; tp and
+# serving-tp need a kind with several GPUs, TP of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -199,6 +199,19 @@ if [[ " $steps " == *" tp "* ]]; then
     "$dflash" bench-step --device cuda --tensor-parallel "$n" --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
       --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --leak-check-steps 0 \
       --json "$out/bench_step_tp$n.json" 2>&1 | tee "$out/bench_step_tp$n.txt" || status=1
+  done
+fi
+if [[ " $steps " == *" serving-tp "* ]]; then
+  # The serving sweep of the 8B-shaped pair at TP 1 and TP (default 2).
+  tp=${TP:-2}
+  random_8b_pair
+  add_tokenizer "$ckpt/qwen3-8b"
+  for n in 1 "$tp"; do
+    echo "== serving sweep, 8B-shaped pair, tensor parallel $n =="
+    python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
+      --max-tokens 128 \
+      --server-args "--device cuda --tensor-parallel $n --model $ckpt/qwen3-8b --draft $ckpt/dflash-8b --gpu-memory-fraction 0.9" \
+      --json "$out/serving_gpu_qwen3-8b-shape_tp$n.json" 2>&1 | tee "$out/serving_gpu_qwen3-8b-shape_tp$n.txt" || status=1
   done
 fi
 

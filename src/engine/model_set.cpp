@@ -16,8 +16,8 @@ std::unique_ptr<Backend> make_backend(const std::string& device, const BackendOp
 namespace {
 
 // Refuses checkpoints whose bf16 weights cannot fit in the device's free memory. Over
-// tensor_parallel GPUs, GPU 0 holds an N-th of the target's layers, its embedding and lm_head
-// whole, and the draft.
+// tensor_parallel GPUs, GPU 0 holds an N-th of the target's layers and lm_head, the embedding
+// whole, and the draft (counted whole: its fc stays on GPU 0).
 void check_fits(Backend& be, const std::string& model_dir, const std::string& draft_dir, int tensor_parallel) {
   int64_t free_bytes = 0, total_bytes = 0;
   if (!be.memory_info(free_bytes, total_bytes)) return;
@@ -28,7 +28,7 @@ void check_fits(Backend& be, const std::string& model_dir, const std::string& dr
     for (const auto& t : store.all()) {
       const int64_t bytes = 2 * t.n_elements();
       whole += bytes;
-      const bool split = dir == model_dir && t.name.find("layers.") != std::string::npos;
+      const bool split = dir == model_dir && (t.name.find("layers.") != std::string::npos || t.name == "lm_head.weight");
       need += split ? bytes / tensor_parallel : bytes;
     }
   }

@@ -18,15 +18,15 @@ TargetModel::TargetModel(Backend& be, const std::string& dir, const TpRank& tp, 
   w_.embed = be.upload({&store.get(prefix + "embed_tokens.weight", {v, h})});
   for (int i = 0; i < cfg_.n_layers; ++i) w_.layers.push_back(load_layer(be, store, cfg_, prefix, i, nullptr, tp));
   w_.final_norm = load_norm(be, store, cfg_, prefix + "norm.weight", h);
-  // The vocabulary split over the ranks when it divides: rank r's logits are rows [r v/N,
-  // (r+1) v/N) of lm_head. Rank 0 keeps all of lm_head (its draft reads the whole).
+  // The vocabulary split over the ranks when it divides: rank r's logits (and its draft's) are
+  // rows [r v/N, (r+1) v/N) of lm_head, the only ones an untied lm_head loads.
   const bool split = tp.sharded() && v % tp.size == 0;
   const int64_t part = split ? v / tp.size : v, first = split ? tp.rank * part : 0;
   if (cfg_.tie_embeddings) {
     w_.lm_head = w_.embed;
   } else {
     const TensorInfo& head = store.get("lm_head.weight", {v, h});
-    const TensorInfo rows = tp.rank > 0 && split ? row_slice(head, first, part) : head;
+    const TensorInfo rows = split ? row_slice(head, first, part) : head;
     w_.lm_head = be.upload({&rows});
   }
   if (w_.lm_head.rows > part) w_.lm_head_part = w_.lm_head.slice_rows(first, part);

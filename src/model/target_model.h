@@ -19,9 +19,10 @@ struct TargetWeights {
   Tensor embed;       // [n_vocab, n_embd]  model.embed_tokens
   std::vector<LayerWeights> layers;
   Tensor final_norm;  // [1, n_embd]  model.norm
-  Tensor lm_head;     // [n_vocab, n_embd]  lm_head (shares embed's storage when tied)
-  // The rows of lm_head the rank's logits come from: all of them, or its part of the vocabulary
-  // (tensor parallelism; other ranks than 0 then hold only these).
+  // [n_vocab, n_embd]  lm_head (shares embed's storage when tied); a tensor-parallel rank of an
+  // untied model holds only lm_head_part's rows.
+  Tensor lm_head;
+  // The rows of lm_head the rank's logits come from: all of them, or its part of the vocabulary.
   Tensor lm_head_part;
 };
 

@@ -5,7 +5,7 @@
 // columns) and an N-th of every MLP's features, each routed expert's and the shared expert's
 // included (gate/up rows, down_proj's columns; the router is whole, so every rank routes alike);
 // embedding and norms are whole on every rank, lm_head's rows (the vocabulary) are split when they
-// divide (rank 0 keeps the whole for the draft), the ranks' logits gathered. Each
+// divide, the ranks' logits gathered. Each
 // rank runs the ordinary forward over its shard; the attention's and the MLP's outputs, partial
 // sums over the ranks' heads and features, are summed across ranks (Communicator) before they join
 // the residual stream, which so stays the same on every rank.

@@ -98,8 +98,11 @@ Command add_serve(CLI::App& app) {
 
     ServingEngine engine(so);
     const ServingStats st = engine.stats();
-    std::printf("dflash serve: model %s%s%s on %s\n", a->model.c_str(), engine.speculative() ? ", DFlash draft " : "",
-                engine.speculative() ? so.engine.draft_dir.c_str() : "", engine.backend_name().c_str());
+    const std::string ranks = a->tensor_parallel > 1 ? cat(", tensor parallel over ", a->tensor_parallel,
+                                                           engine.backend_name() == "cpu" ? " ranks" : " GPUs")
+                                                     : "";
+    std::printf("dflash serve: model %s%s%s on %s%s\n", a->model.c_str(), engine.speculative() ? ", DFlash draft " : "",
+                engine.speculative() ? so.engine.draft_dir.c_str() : "", engine.backend_name().c_str(), ranks.c_str());
     std::printf("memory plan: %d KV pages of %d tokens (%s), %lld bytes of KV cache; up to %d sequences, block %d\n",
                 st.kv_pages_total, a->page_size, engine.speculative() ? "target and draft" : "target",
                 static_cast<long long>(engine.kv_cache_bytes()), engine.max_num_seqs(), engine.block_size());

@@ -60,14 +60,10 @@ int64_t DraftModel::weight_bytes_per_step() const {
 
 KvCache DraftModel::alloc_cache(int n_pages, int page_size) {
   const ModelConfig& c = cfg_.layers;
-  if (ranks_.empty()) return be_.alloc_kv(c.n_layers, n_pages, page_size, c.n_kv_heads, c.head_dim);
-  KvCache cache;
-  std::vector<KvCache> others(ranks_.size());
-  target_.rank_group()->run(
-      [&](int r) { others[static_cast<size_t>(r - 1)] = ranks_[static_cast<size_t>(r - 1)]->alloc_cache(n_pages, page_size); },
-      [&] { cache = be_.alloc_kv(c.n_layers, n_pages, page_size, c.n_kv_heads, c.head_dim); });
-  cache.ranks = std::move(others);
-  return cache;
+  auto own = [&] { return be_.alloc_kv(c.n_layers, n_pages, page_size, c.n_kv_heads, c.head_dim); };
+  if (ranks_.empty()) return own();
+  return target_.rank_group()->alloc_caches(
+      [&](int r) { return r == 0 ? own() : ranks_[static_cast<size_t>(r - 1)]->alloc_cache(n_pages, page_size); });
 }
 
 void DraftModel::project_context(const Tensor& features, const ForwardBatch& batch, KvCache& cache) {

@@ -133,6 +133,14 @@ void RankGroup::run(const std::function<void(int)>& on_rank, const std::function
     if (e) std::rethrow_exception(e);
 }
 
+KvCache RankGroup::alloc_caches(const std::function<KvCache(int)>& alloc) {
+  KvCache cache;
+  std::vector<KvCache> others(static_cast<size_t>(size() - 1));
+  run([&](int r) { others[static_cast<size_t>(r - 1)] = alloc(r); }, [&] { cache = alloc(0); });
+  cache.ranks = std::move(others);
+  return cache;
+}
+
 void RankGroup::begin_capture(bool share_uploads) {
   phase_ = Phase::capture;
   share_uploads_ = share_uploads;

@@ -39,6 +39,9 @@ class RankGroup final : public GraphPeers {
   // a failure on any rank stops the others and is rethrown here (this rank's first). While rank
   // 0 captures or restages a graph, on_rank is captured or restaged on each rank's backend.
   void run(const std::function<void(int)>& on_rank, const std::function<void()>& this_rank);
+  // A cache made on every rank together (alloc(r) on rank r's thread): rank 0's, holding the
+  // others' in KvCache::ranks.
+  KvCache alloc_caches(const std::function<KvCache(int)>& alloc);
 
   void begin_capture(bool share_uploads) override;
   std::shared_ptr<void> end_capture() override;

@@ -81,15 +81,9 @@ void TargetModel::all_reduce_rows(Tensor& x) {
 
 KvCache TargetModel::alloc_cache(int n_pages, int page_size, int n_state_slots, int tape_rows) {
   if (!ranks_) return alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows);
-  KvCache c;
-  std::vector<KvCache> others(static_cast<size_t>(tensor_parallel() - 1));
-  ranks_->run(
-      [&](int r) {
-        others[static_cast<size_t>(r - 1)] = ranks_->model(r).alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows);
-      },
-      [&] { c = alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows); });
-  c.ranks = std::move(others);
-  return c;
+  return ranks_->alloc_caches([&](int r) {
+    return (r == 0 ? *this : ranks_->model(r)).alloc_own_cache(n_pages, page_size, n_state_slots, tape_rows);
+  });
 }
 
 KvCache TargetModel::alloc_own_cache(int n_pages, int page_size, int n_state_slots, int tape_rows) {
@@ -139,12 +133,9 @@ void TargetModel::copy_state_slot(KvCache& cache, int32_t from, int32_t to) {
   check(from >= 0 && from < r.n_slots && to >= 0 && to < r.n_slots, "state slot copy ", from, " -> ", to,
         " outside 0..", r.n_slots - 1);
   if (from == to) return;
-  if (ranks_) {
-    ranks_->run([&](int rank) { ranks_->model(rank).copy_state_slot(cache.ranks[static_cast<size_t>(rank - 1)], from, to); },
-                [&] { copy_own_state_slot(cache, from, to); });
-  } else {
-    copy_own_state_slot(cache, from, to);
-  }
+  if (!ranks_) return copy_own_state_slot(cache, from, to);
+  ranks_->run([&](int rank) { ranks_->model(rank).copy_state_slot(cache.ranks[static_cast<size_t>(rank - 1)], from, to); },
+              [&] { copy_own_state_slot(cache, from, to); });
 }
 
 void TargetModel::copy_own_state_slot(KvCache& cache, int32_t from, int32_t to) {

@@ -33,11 +33,10 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   Tensor n_items = alloc_as(1, 1, DType::I32), next_units = alloc_as(2, 1, DType::I32);
   Tensor counts = expert_rows ? *expert_rows : alloc_as(w.n_experts, 1, DType::I32);
   auto i32 = [](const Tensor& t) { return static_cast<int32_t*>(t.data); };
-  staging_.launch([&](cudaStream_t s) {
-    launch_moe_route(mat(logits), w.top_k, w.norm_topk_prob, tile, i32(expert_of_pair),
-                     static_cast<float*>(weight_of_pair.data), i32(pair_list), i32(items), i32(n_items),
-                     i32(next_units), i32(counts), s);
-  });
+  const MoeRouting routing{w.top_k,     w.norm_topk_prob, tile,          i32(expert_of_pair),
+                           static_cast<float*>(weight_of_pair.data),       i32(pair_list),
+                           i32(items),  i32(n_items),     i32(next_units), i32(counts)};
+  staging_.launch([&](cudaStream_t s) { launch_moe_route(mat(logits), routing, s); });
 
   if (scratch) {
     check(scratch->act.rows >= pairs && scratch->act.cols == ff && scratch->y.rows >= pairs && scratch->y.cols == h,
@@ -50,9 +49,13 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   staging_.launch([&](cudaStream_t s) {
     launch_skinny_gemm_routed(mat(x), gate_up, mat(act), rows, /*swiglu=*/true, tile, max_items, s);
   });
+  // The down products follow the gate/up ones, which waited for the routing before they
+  // released: the down blocks request their first weights while the gate/up products finish
+  // (H100, 30B-A3B shape, plain batch 1: 3.64 -> 3.50 ms a step).
   rows.next_unit = i32(next_units) + 1;
   rows.x_div = 1;
   rows.w_step = h * w.down.stride;
+  rows.items_ready = true;
   const Mat down{static_cast<bf16*>(w.down.data), h, ff, w.down.stride};
   staging_.launch([&](cudaStream_t s) {
     launch_skinny_gemm_routed(mat(act), down, mat(y), rows, /*swiglu=*/false, tile, max_items, s);

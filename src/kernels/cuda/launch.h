@@ -131,6 +131,10 @@ struct RoutedRows {
   int32_t* next_unit = nullptr;      // the next work unit (an item's columns of a block), from 0
   int x_div = 1;                     // pair p reads input row p / x_div and writes output row p
   int64_t w_step = 0;                // elements from one expert's weight to the next
+  // The routing finished before the previous kernel in the stream released this one (that
+  // kernel waited for it first): the blocks read the items and request their first weights
+  // before their wait.
+  bool items_ready = false;
 };
 // out[p] = x[p / x_div] * w_e^T (with swiglu: silu(gate) * up of w_e = [gate; up], out.cols
 // features) for every pair p routed to expert e, w_e = w + e * w_step: each item streams its
@@ -140,16 +144,28 @@ struct RoutedRows {
 void launch_skinny_gemm_routed(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu,
                                int tile_rows, int max_items, cudaStream_t s);
 
-// The routing of a mixture-of-experts layer from its router logits [M, E] (bf16): per token, p =
-// softmax in float32, the top_k experts (larger p first, the lower index on ties), weights p
-// (divided by their sum with norm); pair token * top_k + j takes the token's j-th chosen expert
-// in increasing index: expert_of_pair, weight_of_pair. Then the pairs grouped by expert (pairs),
-// their work items of up to tile_rows pairs (items, n_items: see RoutedRows) and expert_rows[e] =
-// pairs of expert e; next_units[0] and [1] (the routed products' unit counters) set to 0. One block; E <= kMoeMaxExperts, top_k <= 32.
+// Where the routing of a mixture-of-experts layer goes (launch_moe_route) and its settings.
+struct MoeRouting {
+  int top_k = 0;
+  bool norm = false;  // norm_topk_prob
+  int tile_rows = 8;  // pairs of a work item: 8, 16 or 32
+  int32_t* expert_of_pair = nullptr;
+  float* weight_of_pair = nullptr;
+  int32_t* pairs = nullptr;
+  int32_t* items = nullptr;
+  int32_t* n_items = nullptr;
+  int32_t* next_units = nullptr;
+  int32_t* expert_rows = nullptr;  // optional
+};
+// The routing from router logits [M, E] (bf16): per token, p = softmax in float32, the top_k
+// experts (larger p first, the lower index on ties), weights p (divided by their sum with norm);
+// pair token * top_k + j takes the token's j-th chosen expert in increasing index:
+// expert_of_pair, weight_of_pair. Then the pairs grouped by expert (pairs), their work items of
+// up to tile_rows pairs (items, n_items: see RoutedRows) and expert_rows[e] = pairs of expert e;
+// next_units[0] and [1] (the routed products' unit counters) set to 0. One block; E <=
+// kMoeMaxExperts, top_k <= 32.
 constexpr int kMoeMaxExperts = 1024;
-void launch_moe_route(const Mat& logits, int top_k, bool norm, int tile_rows, int32_t* expert_of_pair,
-                      float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* next_units,
-                      int32_t* expert_rows, cudaStream_t s);
+void launch_moe_route(const Mat& logits, const MoeRouting& r, cudaStream_t s);
 // out[t] = sum over j of weight_of_pair[t * top_k + j] * y[t * top_k + j], in j order, in float32.
 void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s);
 

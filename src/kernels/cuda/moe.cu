@@ -20,20 +20,15 @@ namespace {
 // The better of two candidates: larger probability, else the lower expert index.
 __device__ __forceinline__ bool better(float p, int e, float q, int f) { return p > q || (p == q && e < f); }
 
-// kPerLane: experts a lane looks after (E <= 32 * kPerLane); a warp routes a token.
+// One block routes the M rows of logits [M, E], a warp a token. kPerLane: experts a lane looks
+// after (E <= 32 * kPerLane).
 template <int kPerLane>
-__global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict__ logits, int64_t stride,
-                                                                  int M, int E, int top_k, bool norm, int tile_rows,
-                                                                  int32_t* __restrict__ expert_of_pair,
-                                                                  float* __restrict__ weight_of_pair,
-                                                                  int32_t* __restrict__ pairs,
-                                                                  int32_t* __restrict__ items,
-                                                                  int32_t* __restrict__ n_items,
-                                                                  int32_t* __restrict__ next_units,
-                                                                  int32_t* __restrict__ expert_rows) {
+__global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict__ logits, int64_t stride, int M,
+                                                         int E, MoeRouting r) {
   __shared__ int count[kMoeMaxExperts], first[kMoeMaxExperts], first_item[kMoeMaxExperts];
   pdl_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+  const int top_k = r.top_k;
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
 
@@ -71,8 +66,8 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
         if (!(taken >> i & 1) && p[i] >= 0.0f && better(p[i], e, bp, be)) bp = p[i], be = e;
       }
       for (int o = 16; o > 0; o /= 2) {
-        const float op = __shfl_xor_sync(0xffffffffu, bp, o);
-        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+        const float op = __shfl_xor_sync(kFull, bp, o);
+        const int oe = __shfl_xor_sync(kFull, be, o);
         if (better(op, oe, bp, be)) bp = op, be = oe;
       }
       if (be % 32 == lane) taken |= 1u << (be / 32);
@@ -83,11 +78,11 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
     int before = 0;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-      const uint32_t chosen = __ballot_sync(0xffffffffu, taken >> i & 1);
+      const uint32_t chosen = __ballot_sync(kFull, taken >> i & 1);
       if (taken >> i & 1) {
         const int j = before + __popc(chosen & ((1u << lane) - 1u)), e = lane + 32 * i;
-        expert_of_pair[t * top_k + j] = e;
-        weight_of_pair[t * top_k + j] = norm ? p[i] / top_sum : p[i];
+        r.expert_of_pair[t * top_k + j] = e;
+        r.weight_of_pair[t * top_k + j] = r.norm ? p[i] / top_sum : p[i];
         atomicAdd(&count[e], 1);
       }
       before += __popc(chosen);
@@ -96,6 +91,7 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
   __syncthreads();
 
   // Where each expert's pairs and work items begin: warp 0 scans the experts 32 at a time.
+  const int tile_rows = r.tile_rows;
   if (warp == 0) {
     int pair = 0, item = 0;
     for (int e0 = 0; e0 < E; e0 += 32) {
@@ -103,23 +99,23 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
       const int n = e < E ? count[e] : 0, chunks = (n + tile_rows - 1) / tile_rows;
       int pairs_before = n, items_before = chunks;  // inclusive scans over the lanes
       for (int o = 1; o < 32; o *= 2) {
-        const int p = __shfl_up_sync(0xffffffffu, pairs_before, o), i = __shfl_up_sync(0xffffffffu, items_before, o);
+        const int p = __shfl_up_sync(kFull, pairs_before, o), i = __shfl_up_sync(kFull, items_before, o);
         if (lane >= o) pairs_before += p, items_before += i;
       }
       if (e < E) {
         first[e] = pair + pairs_before - n;
         first_item[e] = item + items_before - chunks;
       }
-      pair += __shfl_sync(0xffffffffu, pairs_before, 31);
-      item += __shfl_sync(0xffffffffu, items_before, 31);
+      pair += __shfl_sync(kFull, pairs_before, 31);
+      item += __shfl_sync(kFull, items_before, 31);
     }
-    if (lane == 0) *n_items = item, next_units[0] = 0, next_units[1] = 0;
+    if (lane == 0) *r.n_items = item, r.next_units[0] = 0, r.next_units[1] = 0;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    if (expert_rows) expert_rows[e] = count[e];
+    if (r.expert_rows) r.expert_rows[e] = count[e];
     for (int c = 0; c * tile_rows < count[e]; ++c) {
-      int32_t* it = items + 3 * (first_item[e] + c);
+      int32_t* it = r.items + 3 * (first_item[e] + c);
       it[0] = e;
       it[1] = first[e] + c * tile_rows;
       it[2] = min(tile_rows, count[e] - c * tile_rows);
@@ -128,7 +124,7 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
   __syncthreads();  // count[] becomes each expert's cursor below
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = first[e];
   __syncthreads();
-  for (int p = threadIdx.x; p < M * top_k; p += blockDim.x) pairs[atomicAdd(&count[expert_of_pair[p]], 1)] = p;
+  for (int p = threadIdx.x; p < M * top_k; p += blockDim.x) r.pairs[atomicAdd(&count[r.expert_of_pair[p]], 1)] = p;
 }
 
 // Two columns a thread: out[t][c] = sum_j weight[t, j] * y[t * top_k + j][c], j ascending.
@@ -156,16 +152,11 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16
 
 }  // namespace
 
-void launch_moe_route(const Mat& logits, int top_k, bool norm, int tile_rows, int32_t* expert_of_pair,
-                      float* weight_of_pair, int32_t* pairs, int32_t* items, int32_t* n_items, int32_t* next_units,
-                      int32_t* expert_rows, cudaStream_t s) {
+void launch_moe_route(const Mat& logits, const MoeRouting& r, cudaStream_t s) {
   // A warp a token, up to 32 warps; the fewest experts a lane that cover E.
   const int m = static_cast<int>(logits.rows), e = static_cast<int>(logits.cols);
   const dim3 threads(32 * std::min(32, std::max(4, m)));
-  auto go = [&](auto kernel) {
-    launch(kernel, dim3(1), threads, s, logits.data, logits.stride, m, e, top_k, norm, tile_rows, expert_of_pair,
-           weight_of_pair, pairs, items, n_items, next_units, expert_rows);
-  };
+  auto go = [&](auto kernel) { launch(kernel, dim3(1), threads, s, logits.data, logits.stride, m, e, r); };
   if (e <= 128) go(moe_route_kernel<4>);
   else if (e <= 256) go(moe_route_kernel<8>);
   else if (e <= 512) go(moe_route_kernel<16>);

@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
 
   // The product of M rows with weight rows [n0, n0 + kPerBlock) of w; routed: `pairs` are the rows' pairs.
-  auto product = [&](const bf16* __restrict__ w, int M, const int32_t* pairs, int64_t n0) {
+  // wait: the kernel's wait comes once the weights' first stages are requested.
+  auto product = [&](const bf16* __restrict__ w, int M, const int32_t* pairs, int64_t n0, bool wait) {
     // Token t's input row and output row.
     auto x_row = [&](int t) -> int64_t { return kRouted ? pairs[t] / routed.x_div : t; };
     auto out_row = [&](int t) -> int64_t { return kRouted ? pairs[t] : t; };
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       issue_w(i);
       cp_async_commit();
     }
-    if constexpr (!kRouted) pdl_begin();
+    if (wait) pdl_begin();
     if constexpr (kNorm) {
       // The weights above are on their way while the rows are normalized.
       const int64_t rs = norm_row_elems(K);
@@ -263,11 +264,13 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   };
 
   if constexpr (kRouted) {
-    // Which experts and pairs come from the routing kernel before this one, so the weights
-    // cannot be requested before the wait. The blocks take work units (an item's columns
-    // [n0, n0 + kPerBlock)) from a counter the routing kernel zeroed: however many blocks the
-    // GPU holds beside the kernels around it, none waits for another's units.
-    pdl_begin();
+    // Which experts and pairs come from the routing, so the weights cannot be requested before
+    // it is done: before the wait only when it finished before the previous kernel released
+    // (items_ready: the down products, which follow the gate/up ones). The blocks take work
+    // units (an item's columns [n0, n0 + kPerBlock)) from a counter the routing zeroed: however
+    // many blocks the GPU holds beside the kernels around it, none waits for another's units.
+    bool wait = routed.items_ready;  // whether the wait is still to come (in the first unit)
+    if (!wait) pdl_begin();
     const int n_units = *routed.n_items * static_cast<int>(gridDim.x);
     const int n_blocks = static_cast<int>(gridDim.x * gridDim.y);
     __shared__ int unit_s;
@@ -276,14 +279,16 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     for (int unit = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x); unit < n_units;) {
       const int32_t* item = routed.items + 3 * (unit / gridDim.x);
       product(w + item[0] * routed.w_step, item[2], routed.pairs + item[1],
-              static_cast<int64_t>(unit % gridDim.x) * kPerBlock);
+              static_cast<int64_t>(unit % gridDim.x) * kPerBlock, wait);
+      wait = false;
       if (threadIdx.x == 0) unit_s = n_blocks + atomicAdd(routed.next_unit, 1);
       __syncthreads();  // the next unit's ring overwrites the reduction's shared memory; unit_s is set
       unit = unit_s;
       __syncthreads();  // every thread has read unit_s
     }
+    if (wait) pdl_begin();  // a block without units waits too
   } else {
-    product(w, M, nullptr, static_cast<int64_t>(blockIdx.x) * kPerBlock);
+    product(w, M, nullptr, static_cast<int64_t>(blockIdx.x) * kPerBlock, true);
   }
 }
 
@@ -316,9 +321,10 @@ template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16, b
           bool kRouted = false>
 void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s,
                   Groups groups = {}, const RoutedRows& routed = {}) {
+  constexpr auto kernel = skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>;
   static std::atomic<uint64_t> configured{0};
   once_per_device(configured, [] {
-    CUDA_CHECK(cudaFuncSetAttribute(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>,
+    CUDA_CHECK(cudaFuncSetAttribute(kernel,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kWide ? kWideBlockSmem : kMaxBlockSmem)));
   });
@@ -338,16 +344,15 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
       CUDA_CHECK(cudaGetDevice(&device));
       CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
       CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &n, skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>, kWarps * 32, smem));
+          &n, kernel, kWarps * 32, smem));
       return std::max(1, n) * sms;
     }();
     const unsigned fill = static_cast<unsigned>((resident + blocks - 1) / blocks);
     groups.count = std::max(1u, std::min(groups.count, fill));
   }
-  launch_smem(skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>, dim3(blocks, groups.count), kWarps * 32,
-              smem, s, x.data, x.stride,
-              static_cast<int>(x.rows), w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias,
-              out.data, out.stride, norm, groups.w_step, groups.out_cols, routed);
+  launch_smem(kernel, dim3(blocks, groups.count), kWarps * 32, smem, s, x.data, x.stride, static_cast<int>(x.rows),
+              w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias, out.data, out.stride, norm,
+              groups.w_step, groups.out_cols, routed);
 }
 
 template <int RT, bool kSwiglu = false, bool kWide = false>

@@ -90,6 +90,26 @@ TEST_F(CudaOps, MatmulMatchesCpuForSkinnyAndLargeShapes) {
   }
 }
 
+// cuBLASLt's products take the algorithm of their row count's bucket (chosen at first use, or
+// ahead by prepare_products): every row count of a bucket, before and after preparing, matches
+// the CPU, and a repeated product gives the same bits.
+TEST_F(CudaOps, LargeProductsOfEveryRowBucketMatchCpu) {
+  const int64_t n = 1024, k = 512;
+  auto w = random(n, k, 0.05f);
+  auto product = [&](int64_t m, const std::string& what) {
+    auto x = random(m, k), out = poisoned(m, n);
+    cpu->matmul(x.c, w.c, nullptr, out.c);
+    gpu->matmul(x.g, w.g, nullptr, out.g);
+    expect_close(out, what + ", " + std::to_string(m) + " rows");
+    Tensor again = gpu->alloc(m, n);
+    gpu->matmul(x.g, w.g, nullptr, again);
+    EXPECT_EQ(gpu->to_host(again), gpu->to_host(out.g)) << what << ", " << m << " rows: repeated";
+  };
+  for (int64_t m : {33, 64, 65, 127}) product(m, "chosen at first use");
+  gpu->prepare_products(1000);
+  for (int64_t m : {128, 129, 500, 511, 512, 999, 1000, 1100}) product(m, "prepared");
+}
+
 // The basis of lossless speculative decoding on the GPU: a row's product is
 // bit-identical whether it is computed alone or among up to 32 rows, and whatever number of
 // weight tiles a block takes (4096 and 6144 rows at more than 8 tokens: two and three tiles on

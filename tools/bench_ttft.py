@@ -53,7 +53,9 @@ def main():
     rng = random.Random(7)
     rows = []
     for n in [int(x) for x in a.prompt_tokens.split(",")]:
+        t0 = time.monotonic()
         server = Server(a.dflash, shlex.split(a.server_args))
+        start_s = time.monotonic() - t0  # load, warm-up, until it listens
         try:
             lat = [complete(server, [rng.randrange(100, a.vocab) for _ in range(n)]) for _ in range(a.requests)]
         finally:
@@ -61,11 +63,12 @@ def main():
         later = statistics.median(lat[1:]) if len(lat) > 1 else lat[0]
         row = {"prompt_tokens": n, "latency_ms": [round(x * 1e3, 2) for x in lat],
                "first_ms": round(lat[0] * 1e3, 2), "later_median_ms": round(later * 1e3, 2),
-               "first_over_later": round(lat[0] / later, 3), "later_tokens_per_s": round(n / later, 1)}
+               "first_over_later": round(lat[0] / later, 3), "later_tokens_per_s": round(n / later, 1),
+               "server_start_s": round(start_s, 2)}
         rows.append(row)
         print(f"prompt {n:6d}: first {row['first_ms']:9.2f} ms, later (median) {row['later_median_ms']:9.2f} ms "
               f"({row['later_tokens_per_s']:.0f} tokens/s), first/later {row['first_over_later']:.3f}; "
-              f"all {row['latency_ms']}")
+              f"all {row['latency_ms']}; server started in {row['server_start_s']:.1f} s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"settings": vars(a), "rows": rows}, f, indent=1)

@@ -67,6 +67,11 @@ TargetModel::~TargetModel() {
 
 int TargetModel::tensor_parallel() const { return ranks_ ? ranks_->size() : 1; }
 
+void TargetModel::prepare_products(int64_t max_rows) {
+  if (!ranks_) return be_.prepare_products(max_rows);
+  ranks_->run([&](int r) { ranks_->backend(r).prepare_products(max_rows); }, [&] { be_.prepare_products(max_rows); });
+}
+
 void TargetModel::all_reduce_rows(Tensor& x) {
   if (!ranks_) return;
   ranks_->run(

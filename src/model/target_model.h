@@ -56,6 +56,8 @@ class TargetModel {
   // Sums x (rank 0's, [rows, n_embd] in the activation type) with a tensor of its shape on every
   // other rank, as each layer does twice (bench-step times it). Nothing with one rank.
   void all_reduce_rows(Tensor& x);
+  // Backend::prepare_products on every rank's backend (the draft shares them).
+  void prepare_products(int64_t max_rows);
 
   // Hybrid targets also get n_state_slots recurrent states whose tapes hold tape_rows rows (the
   // largest verification block); attention layers alone get pages.

@@ -59,6 +59,7 @@ class CudaBackend final : public Backend {
   void launch_library(const std::function<void(cudaStream_t)>& fn) { staging_.launch(fn); }
   void synchronize() override;
   void release_cached_memory() override;
+  void prepare_products(int64_t max_rows) override { lt_->prepare(max_rows); }
   double measure_copy_gbps(int64_t bytes) override;
 
   Tensor alloc(int64_t rows, int64_t cols) override { return alloc_as(rows, cols, DType::BF16); }

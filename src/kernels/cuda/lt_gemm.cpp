@@ -1,5 +1,7 @@
 #include "kernels/cuda/lt_gemm.h"
 
+#include <set>
+
 namespace dflash::cuda {
 
 namespace {
@@ -10,37 +12,44 @@ int alignment_of(const void* p) {
   while (al > 2 && a % al) al /= 2;
   return al;
 }
+
+int64_t bucket_rows(int64_t m) { return (m + LtGemm::kRowBucket - 1) / LtGemm::kRowBucket * LtGemm::kRowBucket; }
 }  // namespace
 
 LtGemm::LtGemm() {
   CUBLAS_CHECK(cublasLtCreate(&handle_));
   CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
 }
 
 LtGemm::~LtGemm() {
-  for (auto& [key, p] : plans_) {
-    cublasLtMatrixLayoutDestroy(p.a);
-    cublasLtMatrixLayoutDestroy(p.b);
-    cublasLtMatrixLayoutDestroy(p.d);
-    cublasLtMatmulDescDestroy(p.op);
-  }
+  for (auto& [key, p] : plans_) destroy(p.l);
+  cublasLtMatmulDescDestroy(op_);
   cudaFree(workspace_);
   cublasLtDestroy(handle_);
 }
 
-LtGemm::Plan& LtGemm::plan_for(const Key& key) {
-  auto it = plans_.find(key);
-  if (it != plans_.end()) return it->second;
-  const auto [m, n, k, ldx, ldw, ldo, al_x, al_w, al_o] = key;
-  Plan p;
-  // Column-major view: out^T[n x m] = (w as k x n)^T * (x as k x m).
-  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, ldw));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, ldx));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, n, m, ldo));
+// Column-major view: out^T[n x m] = (w as k x n)^T * (x as k x m).
+LtGemm::Layouts LtGemm::layouts(int64_t m, const Shape& s) const {
+  const auto [n, k, ldx, ldw, ldo, al_x, al_w, al_o] = s;
+  Layouts l;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l.a, CUDA_R_16BF, k, n, ldw));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l.b, CUDA_R_16BF, k, m, ldx));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l.d, CUDA_R_16BF, n, m, ldo));
+  return l;
+}
+
+void LtGemm::destroy(const Layouts& l) {
+  cublasLtMatrixLayoutDestroy(l.a);
+  cublasLtMatrixLayoutDestroy(l.b);
+  cublasLtMatrixLayoutDestroy(l.d);
+}
+
+cublasLtMatmulAlgo_t LtGemm::heuristic(int64_t m, const Shape& s, const Layouts& l) const {
+  const auto [n, k, ldx, ldw, ldo, al_x, al_w, al_o] = s;
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = workspace_bytes_;
@@ -52,23 +61,63 @@ LtGemm::Plan& LtGemm::plan_for(const Key& key) {
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ao, sizeof(ao));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, op_, l.a, l.b, l.d, l.d, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     throw Error(cat("cuBLASLt has no algorithm for a ", m, "x", k, " by ", n, "x", k, " bf16 product"));
   }
-  p.algo = result.algo;
-  return plans_.emplace(key, p).first->second;
+  return result.algo;
+}
+
+const cublasLtMatmulAlgo_t& LtGemm::bucket_algo(int64_t m, const Shape& s) {
+  const std::pair<int64_t, Shape> key{bucket_rows(m), s};
+  auto it = algos_.find(key);
+  if (it != algos_.end()) return it->second;
+  const Layouts l = layouts(key.first, s);
+  cublasLtMatmulAlgo_t algo{};
+  try {
+    algo = heuristic(key.first, s, l);
+  } catch (...) {
+    destroy(l);
+    throw;
+  }
+  destroy(l);
+  return algos_.emplace(key, algo).first->second;
+}
+
+LtGemm::Plan& LtGemm::plan_for(int64_t m, const Shape& s) {
+  auto it = plans_.find({m, s});
+  if (it != plans_.end()) return it->second;
+  Plan p;
+  p.l = layouts(m, s);
+  try {
+    p.algo = bucket_algo(m, s);
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(handle_, op_, p.l.a, p.l.b, p.l.d, p.l.d, &p.algo, &check) != CUBLAS_STATUS_SUCCESS ||
+        check.workspaceSize > workspace_bytes_)
+      p.algo = heuristic(m, s, p.l);  // the bucket's algorithm does not take these rows
+  } catch (...) {
+    destroy(p.l);
+    throw;
+  }
+  return plans_.emplace(std::pair{m, s}, p).first->second;
+}
+
+void LtGemm::prepare(int64_t max_rows) {
+  std::set<Shape> shapes;
+  for (const auto& [key, p] : plans_) shapes.insert(key.second);
+  for (const Shape& s : shapes)
+    for (int64_t m = kRowBucket; m < max_rows + kRowBucket; m += kRowBucket) bucket_algo(m, s);
 }
 
 void LtGemm::run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream) {
   if (x.rows == 0 || w.rows == 0) return;
-  const Key key{x.rows, w.rows, x.cols, x.stride, w.stride, out.stride,
+  const Shape s{w.rows, x.cols, x.stride, w.stride, out.stride,
                 alignment_of(x.data), alignment_of(w.data), alignment_of(out.data)};
-  Plan& p = plan_for(key);
+  Plan& p = plan_for(x.rows, s);
   const float one = 1.0f, zero = 0.0f;
-  CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &one, w.data, p.a, x.data, p.b, &zero, out.data, p.d, out.data, p.d,
-                              &p.algo, workspace_, workspace_bytes_, stream));
+  CUBLAS_CHECK(cublasLtMatmul(handle_, op_, &one, w.data, p.l.a, x.data, p.l.b, &zero, out.data, p.l.d, out.data,
+                              p.l.d, &p.algo, workspace_, workspace_bytes_, stream));
 }
 
 }  // namespace dflash::cuda

@@ -1,6 +1,14 @@
 // out = x * w^T through cuBLASLt (bf16 in and out, fp32 accumulation) for
-// shapes the skinny kernel does not take (prefill, large batches). The
-// algorithm for each shape and alignment is chosen once and reused.
+// shapes the skinny kernel does not take (prefill, large batches).
+//
+// The algorithm is chosen by cuBLASLt's heuristic once per shape, with the row count rounded up
+// to a multiple of kRowBucket: every row count of a bucket takes the algorithm chosen for the
+// bucket's largest (checked to run at the row count; else its own). Before, each new row count
+// had its own choice, and a prompt length never seen took algorithms whose kernels had not run
+// yet: their first launch costs about 3 ms each on an H100 (the heuristic itself about 0.1 ms).
+// Now prompts of one bucket share kernels. prepare() chooses the algorithms of all buckets ahead
+// for the shapes seen so far (it does not run them: a bucket whose algorithm is new to the
+// process still pays its first launch).
 #pragma once
 
 #include <cstdint>
@@ -14,29 +22,44 @@ namespace dflash::cuda {
 
 class LtGemm {
  public:
+  static constexpr int64_t kRowBucket = 64;
+
   LtGemm();
   ~LtGemm();
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
 
   void run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream);
+  // Chooses the algorithms of every row bucket up to max_rows for each shape run so far.
+  void prepare(int64_t max_rows);
   size_t n_plans() const { return plans_.size(); }
+  size_t n_algorithms() const { return algos_.size(); }
   size_t workspace_bytes() const { return workspace_bytes_; }
 
  private:
-  struct Plan {
-    cublasLtMatmulDesc_t op = nullptr;
+  // N, K, ld of x, w, out, and the alignment class of the three pointers: a product but its rows.
+  using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int>;
+  struct Layouts {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  };
+  struct Plan {
+    Layouts l;
     cublasLtMatmulAlgo_t algo{};
   };
-  // M, N, K, ld of x, w, out, and the alignment class of the three pointers
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int>;
-  Plan& plan_for(const Key& key);
+  Layouts layouts(int64_t m, const Shape& s) const;
+  static void destroy(const Layouts& l);
+  // The heuristic's algorithm for m rows of shape s; throws Error when it has none.
+  cublasLtMatmulAlgo_t heuristic(int64_t m, const Shape& s, const Layouts& l) const;
+  // The algorithm of m's row bucket, chosen on first use.
+  const cublasLtMatmulAlgo_t& bucket_algo(int64_t m, const Shape& s);
+  Plan& plan_for(int64_t m, const Shape& s);
 
   cublasLtHandle_t handle_ = nullptr;
+  cublasLtMatmulDesc_t op_ = nullptr;  // out^T = w^T (transposed) * x in column-major terms
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 32u << 20;
-  std::map<Key, Plan> plans_;
+  std::map<std::pair<int64_t, Shape>, Plan> plans_;                    // by exact rows
+  std::map<std::pair<int64_t, Shape>, cublasLtMatmulAlgo_t> algos_;  // by row bucket
 };
 
 }  // namespace dflash::cuda

@@ -70,11 +70,17 @@ template <int MT, int RT, bool kNorm>
 using StageOf = Stage<kNorm ? 0 : MT, RT>;
 
 // Bytes of the ring (reused by the cross-warp reduction); the normalized rows follow them.
+// The routed form keeps the reduction after the ring: the next work unit's first weights are on
+// their way while a unit's partial sums are added.
+template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
+constexpr size_t ring_bytes() {
+  return sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm, kWide, kRouted> * kWarps;
+}
 template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
 constexpr size_t smem_bytes() {
-  constexpr size_t ring = sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm, kWide, kRouted> * kWarps;
+  constexpr size_t ring = ring_bytes<MT, RT, kNorm, kWide, kRouted>();
   constexpr size_t red = sizeof(float) * kWarps * RT * MT * 4 * 32;
-  return ring > red ? ring : red;
+  return kRouted ? ring + red : ring > red ? ring : red;
 }
 
 // Shared memory a block may use so that two blocks fit an SM (228 KiB, 1 KiB reserved a block).
@@ -121,15 +127,19 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
 
   // The product of M rows with weight rows [n0, n0 + kPerBlock) of w; routed: `pairs` are the rows' pairs.
-  // wait: the kernel's wait comes once the weights' first stages are requested.
-  auto product = [&](const bf16* __restrict__ w, int M, const int32_t* pairs, int64_t n0, bool wait) {
+  // wait: the kernel's wait comes once the weights' first stages are requested. issued: they are
+  // requested already (the routed form's previous unit did). next_w, next_n0 (routed): the next
+  // unit's weights, whose first stages are requested before this unit's partial sums are added
+  // (next_w null: none).
+  auto product = [&](const bf16* __restrict__ w, int M, const int32_t* pairs, int64_t n0, bool wait, bool issued,
+                     const bf16* next_w, int64_t next_n0) {
     // Token t's input row and output row.
     auto x_row = [&](int t) -> int64_t { return kRouted ? pairs[t] / routed.x_div : t; };
     auto out_row = [&](int t) -> int64_t { return kRouted ? pairs[t] : t; };
 
     // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
     // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
-    auto issue_w = [&](int i) {
+    auto issue_w = [&](int i, const bf16* __restrict__ w, int64_t n0) {
       if (i >= n_mine) return;
       const int k0 = (warp + i * kWarps) * kChunk;
       St& st = ring[i % S];
@@ -157,10 +167,12 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         }
       }
     };
+    if (!issued) {
 #pragma unroll
-    for (int i = 0; i < S; ++i) {
-      issue_w(i);
-      cp_async_commit();
+      for (int i = 0; i < S; ++i) {
+        issue_w(i, w, n0);
+        cp_async_commit();
+      }
     }
     if (wait) pdl_begin();
     if constexpr (kNorm) {
@@ -213,7 +225,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
       }
       __syncwarp();  // every lane has read the stage before it is refilled
-      issue_w(i + S);
+      issue_w(i + S, w, n0);
       issue_x(i + S);
       cp_async_commit();
 #pragma unroll
@@ -231,10 +243,22 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         }
     }
     cp_async_wait<0>();
+    if constexpr (kRouted) {
+      if (next_w) {
+        __syncwarp();  // every lane has read the ring's last stages
+#pragma unroll
+        for (int i = 0; i < S; ++i) {
+          issue_w(i, next_w, next_n0);
+          cp_async_commit();
+        }
+      }
+    }
 
-    // Cross-warp reduction in warp order, then bias and the bf16 store (red reuses the ring).
+    // Cross-warp reduction in warp order, then bias and the bf16 store (red reuses the ring but
+    // in the routed form).
     __syncthreads();
-    auto& red = *reinterpret_cast<float(*)[kWarps][RT][MT][4][32]>(smem_raw);
+    auto& red = *reinterpret_cast<float(*)[kWarps][RT][MT][4][32]>(
+        smem_raw + (kRouted ? ring_bytes<MT, RT, kNorm, kWide, kRouted>() : 0));
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -273,22 +297,28 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     if (!wait) pdl_begin();
     const int n_units = *routed.n_items * static_cast<int>(gridDim.x);
     const int n_blocks = static_cast<int>(gridDim.x * gridDim.y);
-    __shared__ int unit_s;
+    __shared__ int next_s;
     // Block b's first unit is b (no counter round trip before its first weights); then units
-    // n_blocks + counter.
+    // n_blocks + counter, each taken while the unit before it streams, so that its first
+    // weights are requested before that unit's partial sums are added.
+    auto weights_of = [&](int unit) { return w + routed.items[3 * (unit / gridDim.x)] * routed.w_step; };
+    auto n0_of = [&](int unit) { return static_cast<int64_t>(unit % gridDim.x) * kPerBlock; };
+    bool issued = false;
     for (int unit = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x); unit < n_units;) {
+      if (threadIdx.x == 0) next_s = n_blocks + atomicAdd(routed.next_unit, 1);
+      __syncthreads();  // next_s is set (the product's first barrier comes after its main loop)
+      const int next = next_s;
       const int32_t* item = routed.items + 3 * (unit / gridDim.x);
-      product(w + item[0] * routed.w_step, item[2], routed.pairs + item[1],
-              static_cast<int64_t>(unit % gridDim.x) * kPerBlock, wait);
+      product(weights_of(unit), item[2], routed.pairs + item[1], n0_of(unit), wait, issued,
+              next < n_units ? weights_of(next) : nullptr, next < n_units ? n0_of(next) : 0);
       wait = false;
-      if (threadIdx.x == 0) unit_s = n_blocks + atomicAdd(routed.next_unit, 1);
-      __syncthreads();  // the next unit's ring overwrites the reduction's shared memory; unit_s is set
-      unit = unit_s;
-      __syncthreads();  // every thread has read unit_s
+      issued = next < n_units;
+      unit = next;
+      __syncthreads();  // every thread has read next_s and finished the unit's epilogue
     }
     if (wait) pdl_begin();  // a block without units waits too
   } else {
-    product(w, M, nullptr, static_cast<int64_t>(blockIdx.x) * kPerBlock, true);
+    product(w, M, nullptr, static_cast<int64_t>(blockIdx.x) * kPerBlock, true, false, nullptr, 0);
   }
 }
 
@@ -326,7 +356,7 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   once_per_device(configured, [] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kWide ? kWideBlockSmem : kMaxBlockSmem)));
+                                    static_cast<int>(kWide || kRouted ? kWideBlockSmem : kMaxBlockSmem)));
   });
   const int64_t n = kSwiglu ? out.cols : w.rows;  // output features
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);

@@ -103,18 +103,21 @@ struct ServingEngine::Impl {
   }
 
   // A few requests before the first client's: kernels load (lazily, on first launch), workspaces
-  // grow and the step graphs of one sequence are captured. Prompts of one chunk, a few hundred
-  // tokens and a few dozen, each with a few decode steps; the counters start from zero after it.
-  // Then cuBLASLt's algorithms for every row count of a step, for the shapes these ran (lt_gemm.h).
-  // H100, 8B shape, a fresh server's first 512-token prompt: 38.3 ms against 15.1 later before the
-  // row buckets, 30.9 against 15.2 with them; what is left is not cuBLASLt's (it remains unexplained).
+  // grow and the step graphs of one sequence are captured. Prompts of one chunk and of 1000, 500,
+  // 200 and 40 tokens, each with a few decode steps and tokens of its own: prompts that shared
+  // the first one's tokens hit the prefix cache and prefilled a page each, so only one prefill
+  // size was warm (H100, 8B shape, a fresh server's first 512-token prompt: 29.9 -> 22.5 ms, later
+  // ones 14.9). The counters start from zero after it. Then cuBLASLt's algorithms for every row
+  // count of a step, for the shapes these ran (lt_gemm.h).
   void warm_up() {
     const ModelConfig& c = m.target->config();
     const int longest = std::min(opts.max_tokens_per_step, c.max_positions - 2 * std::max(block_size(), 1) - 8);
-    for (int n : {longest, std::min(longest, 500), std::min(longest, 40)}) {
-      if (n < 1 || loop->scheduler().pages_for(n + 8 + block_size()) > n_pages) continue;
+    int k = 0;
+    for (int n : {longest, 1000, 500, 200, 40}) {
+      ++k;
+      if (n < 1 || n > longest || loop->scheduler().pages_for(n + 8 + block_size()) > n_pages) continue;
       auto s = std::make_unique<Sequence>();
-      for (int i = 0; i < n; ++i) s->tokens.push_back(static_cast<int32_t>((int64_t{i} * 7919 + 13) % c.n_vocab));
+      for (int i = 0; i < n; ++i) s->tokens.push_back(static_cast<int32_t>((int64_t{i} * 7919 + 13 * k) % c.n_vocab));
       s->n_prompt = n;
       s->max_tokens = 4;
       s->on_event = [](const TokenEvent&) {};

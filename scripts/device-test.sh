@@ -302,7 +302,7 @@ if [[ $steps == *ttft* ]]; then
   echo "== time to first token: first request and later ones =="
   random_8b_pair
   add_tokenizer "$ckpt/qwen3-8b"
-  python3 tools/bench_ttft.py --dflash "$dflash" --prompt-tokens "${TTFT_PROMPTS:-512,4096}" --requests 6 \
+  python3 tools/bench_ttft.py --dflash "$dflash" --prompt-tokens "${TTFT_PROMPTS:-512,700,1000,1500,4096}" --requests 5 \
     --server-args "--device cuda --model $ckpt/qwen3-8b --draft $ckpt/dflash-8b --gpu-memory-fraction 0.9" \
     --json "$out/ttft_qwen3-8b-shape.json" 2>&1 | tee "$out/ttft_qwen3-8b-shape.txt" || status=1
 fi

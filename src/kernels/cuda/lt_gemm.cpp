@@ -26,26 +26,33 @@ LtGemm::LtGemm() {
 }
 
 LtGemm::~LtGemm() {
-  for (auto& [key, p] : plans_) destroy(p.l);
+  plans_.clear();
   cublasLtMatmulDescDestroy(op_);
   cudaFree(workspace_);
   cublasLtDestroy(handle_);
 }
 
 // Column-major view: out^T[n x m] = (w as k x n)^T * (x as k x m).
-LtGemm::Layouts LtGemm::layouts(int64_t m, const Shape& s) const {
+LtGemm::Layouts::Layouts(int64_t m, const Shape& s) {
   const auto [n, k, ldx, ldw, ldo, al_x, al_w, al_o] = s;
-  Layouts l;
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l.a, CUDA_R_16BF, k, n, ldw));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l.b, CUDA_R_16BF, k, m, ldx));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l.d, CUDA_R_16BF, n, m, ldo));
-  return l;
+  try {
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, ldw));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, ldx));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d, CUDA_R_16BF, n, m, ldo));
+  } catch (...) {
+    release();
+    throw;
+  }
 }
 
-void LtGemm::destroy(const Layouts& l) {
-  cublasLtMatrixLayoutDestroy(l.a);
-  cublasLtMatrixLayoutDestroy(l.b);
-  cublasLtMatrixLayoutDestroy(l.d);
+LtGemm::Layouts::Layouts(Layouts&& o) noexcept : a(o.a), b(o.b), d(o.d) { o.a = o.b = o.d = nullptr; }
+
+LtGemm::Layouts::~Layouts() { release(); }
+
+void LtGemm::Layouts::release() {
+  for (cublasLtMatrixLayout_t l : {a, b, d})
+    if (l) cublasLtMatrixLayoutDestroy(l);
+  a = b = d = nullptr;
 }
 
 cublasLtMatmulAlgo_t LtGemm::heuristic(int64_t m, const Shape& s, const Layouts& l) const {
@@ -73,34 +80,18 @@ const cublasLtMatmulAlgo_t& LtGemm::bucket_algo(int64_t m, const Shape& s) {
   const std::pair<int64_t, Shape> key{bucket_rows(m), s};
   auto it = algos_.find(key);
   if (it != algos_.end()) return it->second;
-  const Layouts l = layouts(key.first, s);
-  cublasLtMatmulAlgo_t algo{};
-  try {
-    algo = heuristic(key.first, s, l);
-  } catch (...) {
-    destroy(l);
-    throw;
-  }
-  destroy(l);
-  return algos_.emplace(key, algo).first->second;
+  return algos_.emplace(key, heuristic(key.first, s, Layouts(key.first, s))).first->second;
 }
 
 LtGemm::Plan& LtGemm::plan_for(int64_t m, const Shape& s) {
   auto it = plans_.find({m, s});
   if (it != plans_.end()) return it->second;
-  Plan p;
-  p.l = layouts(m, s);
-  try {
-    p.algo = bucket_algo(m, s);
-    cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(handle_, op_, p.l.a, p.l.b, p.l.d, p.l.d, &p.algo, &check) != CUBLAS_STATUS_SUCCESS ||
-        check.workspaceSize > workspace_bytes_)
-      p.algo = heuristic(m, s, p.l);  // the bucket's algorithm does not take these rows
-  } catch (...) {
-    destroy(p.l);
-    throw;
-  }
-  return plans_.emplace(std::pair{m, s}, p).first->second;
+  Plan p{Layouts(m, s), bucket_algo(m, s)};
+  cublasLtMatmulHeuristicResult_t check{};
+  if (cublasLtMatmulAlgoCheck(handle_, op_, p.l.a, p.l.b, p.l.d, p.l.d, &p.algo, &check) != CUBLAS_STATUS_SUCCESS ||
+      check.workspaceSize > workspace_bytes_)
+    p.algo = heuristic(m, s, p.l);  // the bucket's algorithm does not take these rows
+  return plans_.emplace(std::pair{m, s}, std::move(p)).first->second;
 }
 
 void LtGemm::prepare(int64_t max_rows) {

@@ -33,21 +33,25 @@ class LtGemm {
   // Chooses the algorithms of every row bucket up to max_rows for each shape run so far.
   void prepare(int64_t max_rows);
   size_t n_plans() const { return plans_.size(); }
-  size_t n_algorithms() const { return algos_.size(); }
   size_t workspace_bytes() const { return workspace_bytes_; }
 
  private:
   // N, K, ld of x, w, out, and the alignment class of the three pointers: a product but its rows.
   using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int>;
+  // The matrix layouts of a product of m rows (owned: destroyed with the object).
   struct Layouts {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+    Layouts(int64_t m, const Shape& s);
+    Layouts(Layouts&& o) noexcept;
+    Layouts(const Layouts&) = delete;
+    Layouts& operator=(const Layouts&) = delete;
+    ~Layouts();
+    void release();
   };
   struct Plan {
     Layouts l;
     cublasLtMatmulAlgo_t algo{};
   };
-  Layouts layouts(int64_t m, const Shape& s) const;
-  static void destroy(const Layouts& l);
   // The heuristic's algorithm for m rows of shape s; throws Error when it has none.
   cublasLtMatmulAlgo_t heuristic(int64_t m, const Shape& s, const Layouts& l) const;
   // The algorithm of m's row bucket, chosen on first use.

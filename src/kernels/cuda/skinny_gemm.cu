@@ -69,13 +69,14 @@ constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(kWide ? 24
 template <int MT, int RT, bool kNorm>
 using StageOf = Stage<kNorm ? 0 : MT, RT>;
 
-// Bytes of the ring (reused by the cross-warp reduction); the normalized rows follow them.
-// The routed form keeps the reduction after the ring: the next work unit's first weights are on
-// their way while a unit's partial sums are added.
+// Bytes of the ring.
 template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
 constexpr size_t ring_bytes() {
   return sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm, kWide, kRouted> * kWarps;
 }
+// Bytes of the ring and the cross-warp reduction; the normalized rows follow them. The reduction
+// reuses the ring but in the routed form, where the next work unit's first weights are on their
+// way while a unit's partial sums are added.
 template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
 constexpr size_t smem_bytes() {
   constexpr size_t ring = ring_bytes<MT, RT, kNorm, kWide, kRouted>();
@@ -167,13 +168,15 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         }
       }
     };
-    if (!issued) {
+    // The first S stages' weights, one cp.async group each.
+    auto issue_first = [&](const bf16* __restrict__ w, int64_t n0) {
 #pragma unroll
       for (int i = 0; i < S; ++i) {
         issue_w(i, w, n0);
         cp_async_commit();
       }
-    }
+    };
+    if (!issued) issue_first(w, n0);
     if (wait) pdl_begin();
     if constexpr (kNorm) {
       // The weights above are on their way while the rows are normalized.
@@ -246,11 +249,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     if constexpr (kRouted) {
       if (next_w) {
         __syncwarp();  // every lane has read the ring's last stages
-#pragma unroll
-        for (int i = 0; i < S; ++i) {
-          issue_w(i, next_w, next_n0);
-          cp_async_commit();
-        }
+        issue_first(next_w, next_n0);
       }
     }
 

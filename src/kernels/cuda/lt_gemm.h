@@ -5,8 +5,7 @@
 // to a multiple of kRowBucket: every row count of a bucket takes the algorithm chosen for the
 // bucket's largest (checked to run at the row count; else its own). Before, each new row count
 // had its own choice, and a prompt length never seen took algorithms whose kernels had not run
-// yet: their first launch costs about 3 ms each on an H100 (the heuristic itself about 0.1 ms).
-// Now prompts of one bucket share kernels. prepare() chooses the algorithms of all buckets ahead
+// yet, whose first launches are slow. Now prompts of one bucket share kernels. prepare() chooses the algorithms of all buckets ahead
 // for the shapes seen so far (it does not run them: a bucket whose algorithm is new to the
 // process still pays its first launch).
 #pragma once

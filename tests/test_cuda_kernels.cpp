@@ -439,16 +439,19 @@ TEST_F(CudaOps, NormMatmulEqualsTheSeparateOps) {
 }
 
 // Gated DeltaNet at a Qwen3.5-27B head shape (128 x 128 state per value head, 3 value heads a key
-// head): a 150-row prefill (the prepared form: rows normalized in parallel, fewer state columns a
-// warp), a verification block left on the tape, a decode row that replays 5 of its rows; each
-// against the CPU (float32, no bf16 roundings). The same rows fed one call a row (the decode form)
-// give the same bits, outputs and state.
-TEST_F(CudaOps, GatedDeltaNetPrefillFormEqualsDecodeFormBitForBit) {
+// head), half the heads decaying slowly so that the state carries over many chunks. A 300-row
+// prefill (the chunked form: 4 chunks of 64 and one of 44), a verification block left on the tape,
+// a decode row that replays 5 of its rows, a chunked call that replays the tape: each against the
+// CPU (float32, no bf16 roundings). The same rows decoded one call a row (the token-by-token form,
+// same roundings) stay within tf32's error of the chunked outputs and state; a prefill split at a
+// chunk boundary gives the chunked call's bits; a decode row beside a chunked segment gives its
+// bits alone.
+TEST_F(CudaOps, GatedDeltaNetChunkedPrefillTracksTheDecodeForm) {
   LinearAttentionParams p;
   p.n_k_heads = 4, p.n_v_heads = 12, p.k_dim = 128, p.v_dim = 128, p.conv_kernel = 4, p.eps = 1e-6f;
   const int64_t C = p.conv_dim(), W = p.tape_width(), value_dim = int64_t{p.n_v_heads} * p.v_dim;
   const int64_t proj_cols = C + value_dim + 2 * p.n_v_heads, state_cols = value_dim * p.k_dim;
-  const int tape_rows = 16, slots = 2;
+  const int tape_rows = 16, slots = 4;
   auto conv = random(C, p.conv_kernel, 0.5f), a_log = random_f32(1, p.n_v_heads, 0.5f);
   auto dt_bias = random_f32(1, p.n_v_heads, 0.5f);
   std::vector<float> norm_host(static_cast<size_t>(p.v_dim));
@@ -462,6 +465,16 @@ TEST_F(CudaOps, GatedDeltaNetPrefillFormEqualsDecodeFormBitForBit) {
     c.tape = {be.alloc_f32(slots, tape_rows * W)};
     return c;
   };
+  // Projections whose even value heads decay by about 1% a row (a near -6), the odd ones faster.
+  auto rows_of = [&](int n) {
+    auto host = bf16_rounded(test::random_vector(rng, static_cast<size_t>(n * proj_cols), 1.0f));
+    for (int r = 0; r < n; ++r)
+      for (int h = 0; h < p.n_v_heads; h += 2) {
+        float& a = host[static_cast<size_t>(r * proj_cols + proj_cols - p.n_v_heads + h)];
+        a = bf16_to_f32(f32_to_bf16(a - 6.0f));
+      }
+    return pair_of(host, n, proj_cols, false);
+  };
   RecurrentCache cc = cache_on(*cpu), cg = cache_on(*gpu);
   const LinearAttentionWeights wc{conv.c, a_log.c, dt_bias.c, norm.c}, wg{conv.g, a_log.g, dt_bias.g, norm.g};
   // One call on both backends (slot 0), compared; returns the GPU's output.
@@ -474,13 +487,21 @@ TEST_F(CudaOps, GatedDeltaNetPrefillFormEqualsDecodeFormBitForBit) {
     EXPECT_LE(err, 2e-2) << what;
     return gpu->to_host(out.g);
   };
-  const int n = 150;
-  auto prompt = random(n, proj_cols), block = random(tape_rows, proj_cols), next = random(1, proj_cols);
-  const auto prefilled = step(prompt, {0, n, 0, true, 0, true}, "150-row prefill");
-  const auto state_after_prefill = gpu->to_host(cg.state[0].slice_rows(0, 1));
+  auto state_of = [&](int slot) { return gpu->to_host(cg.state[0].slice_rows(slot, 1)); };
+  const int n = 300;
+  auto prompt = rows_of(n), block = rows_of(tape_rows), next = rows_of(1), more = rows_of(100);
+  const auto prefilled = step(prompt, {0, n, 0, true, 0, true}, "300-row prefill (chunked)");
+  const auto state_after_prefill = state_of(0);
+  {
+    const double err = test::rel_l2_error(state_after_prefill, cpu->to_host(cc.state[0].slice_rows(0, 1)));
+    std::printf("gated delta net, state after the prefill: rel. L2 error %.2e vs the CPU\n", err);
+    EXPECT_LE(err, 2e-2);
+  }
   step(block, {0, tape_rows, 0, false, 0, false}, "verification block, not committed");
   step(next, {0, 1, 0, false, 5, true}, "decode row replaying 5 rows");
-  // Slot 1: the prompt a row a call.
+  step(block, {0, tape_rows, 0, false, 0, false}, "verification block again");
+  step(more, {0, 100, 0, false, 7, true}, "100 rows replaying 7 (chunked)");
+  // Slot 1: the prompt a row a call (token by token).
   std::vector<float> by_rows;
   for (int r = 0; r < n; ++r) {
     Tensor row = prompt.g.slice_rows(r, 1), out = gpu->alloc(1, value_dim);
@@ -488,8 +509,36 @@ TEST_F(CudaOps, GatedDeltaNetPrefillFormEqualsDecodeFormBitForBit) {
     const auto o = gpu->to_host(out);
     by_rows.insert(by_rows.end(), o.begin(), o.end());
   }
-  EXPECT_EQ(by_rows, prefilled) << "prefill rows differ from the same rows decoded one by one";
-  EXPECT_EQ(gpu->to_host(cg.state[0].slice_rows(1, 1)), state_after_prefill) << "states differ";
+  const double out_err = test::rel_l2_error(prefilled, by_rows), state_err = test::rel_l2_error(state_after_prefill, state_of(1));
+  std::printf("gated delta net, chunked vs token by token: outputs %.2e, state %.2e (rel. L2)\n", out_err, state_err);
+  EXPECT_LE(out_err, 5e-3);
+  EXPECT_LE(state_err, 5e-3);
+  // Slot 2: the prompt in two calls split at a chunk boundary (128 + 172 rows).
+  Tensor head = gpu->alloc(128, value_dim), tail = gpu->alloc(n - 128, value_dim);
+  gpu->gated_delta_net(prompt.g.slice_rows(0, 128), wg, p, cg, 0, {{0, 128, 2, true, 0, true}}, head, nullptr);
+  gpu->gated_delta_net(prompt.g.slice_rows(128, n - 128), wg, p, cg, 0, {{0, n - 128, 2, false, 0, true}}, tail, nullptr);
+  auto split = gpu->to_host(head);
+  const auto tail_host = gpu->to_host(tail);
+  split.insert(split.end(), tail_host.begin(), tail_host.end());
+  EXPECT_EQ(split, prefilled) << "a prefill split at a chunk boundary differs from one call";
+  EXPECT_EQ(state_of(2), state_after_prefill) << "states differ";
+  // A decode row on slot 1 alone, then (from the same state, slot 3) beside a chunked segment on slot 2.
+  for (Tensor* t : {&cg.state[0], &cg.conv[0]}) {
+    Tensor dst = t->slice_rows(3, 1);
+    gpu->copy_rows(t->slice_rows(1, 1), dst);
+  }
+  Tensor alone = gpu->alloc(1, value_dim);
+  gpu->gated_delta_net(next.g, wg, p, cg, 0, {{0, 1, 1, false, 0, true}}, alone, nullptr);
+  auto both_rows = rows_of(65);
+  {
+    std::vector<float> h = both_rows.host;
+    std::copy(next.host.begin(), next.host.end(), h.begin() + 64 * proj_cols);
+    both_rows = pair_of(h, 65, proj_cols, false);
+  }
+  Tensor both = gpu->alloc(65, value_dim);
+  gpu->gated_delta_net(both_rows.g, wg, p, cg, 0, {{0, 64, 2, false, 0, true}, {64, 1, 3, false, 0, true}}, both,
+                       nullptr);
+  EXPECT_EQ(gpu->to_host(both.slice_rows(64, 1)), gpu->to_host(alone)) << "a decode row beside a chunked segment";
 }
 
 TEST_F(CudaOps, ArgmaxIsExactWithTiesToTheLowestIndex) {

@@ -49,13 +49,18 @@ void CudaBackend::gated_delta_net(const Tensor& proj, const LinearAttentionWeigh
                      scratch->contiguous()
                  ? *scratch
                  : alloc_f32(scratch_rows, W);
+  // The chunked form's T matrices (prefill calls only; the pool reuses the memory layer to layer).
+  const int chunk_min_rows = gdn_chunk_min_rows(shape, options_.batch_invariant);
+  const int64_t t_cols = gdn_chunk_scratch_cols(shape, max_rows, chunk_min_rows);
+  Tensor t = t_cols > 0 ? alloc_f32(scratch_rows, t_cols) : Tensor{};
   const int32_t* d_segs = staging_.stage(segs);
   const int n_segs = static_cast<int>(segments.size());
   staging_.launch(
       [&](cudaStream_t st) {
         launch_gated_delta_net(mat(proj), static_cast<const bf16*>(w.conv.data), w.a_log.f32(), w.dt_bias.f32(),
                                static_cast<const bf16*>(w.norm.data), p.eps, shape, d_segs, n_segs, conv.f32(),
-                               state.f32(), tape.f32(), cache.tape_rows, max_rows, x.f32(), x.stride, mat(out), st);
+                               state.f32(), tape.f32(), cache.tape_rows, max_rows, x.f32(), x.stride, chunk_min_rows,
+                               t.f32(), t.stride, mat(out), st);
       },
       int64_t{n_segs} << 32 | max_rows);
 }

@@ -100,6 +100,11 @@ __device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, bo
   else
     cp_async16(smem, gmem, ok);
 }
+// 4 bytes (zeros when !ok), for data without 16-byte alignment.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool ok) {
+  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 4 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most N committed groups of this thread are still in flight.
 template <int N>

@@ -1,20 +1,17 @@
-// Qwen3.5's Gated DeltaNet (Backend::gated_delta_net) and the gates around its layers, in three
-// kernels per layer: the causal convolution (one thread per channel and sequence: the
-// convolution window of a channel is shared by the value heads of its key head, so it is updated
-// apart from them), the recurrence (one warp per value head, 8 state columns and sequence, the
-// state in registers for the whole segment), the gated norm. Calls with long segments (prefill)
-// first normalize q and k and compute the gates of every row in parallel (gdn_prep_kernel), then
-// run the recurrence with 2 state columns a warp: four times the warps, and only the state's
-// arithmetic left in the token-by-token loop. Both forms give the same bits. The first two walk a segment's tape rows first,
-// then its new rows, token by token: a row gives the same bits decoded alone, verified in a block
-// or replayed from the tape. Roundings to bf16 follow transformers in bf16 (the convolution's
-// output, beta, the core output and the gated norm's steps).
+// Qwen3.5's Gated DeltaNet (Backend::gated_delta_net) and the gates around its layers: the causal
+// convolution (one thread per channel and sequence: the convolution window of a channel is shared
+// by the value heads of its key head, so it is updated apart from them), the recurrence, the gated
+// norm. The recurrence of decode rows, verification blocks and short prompts runs here, one warp
+// per value head, 8 state columns and sequence, the state in registers for the whole segment: it
+// walks a segment's tape rows first, then its new rows, token by token, so a row gives the same
+// bits decoded alone, verified in a block or replayed from the tape. Long committed segments
+// (prefill) take the chunked form (gdn_chunked.cu). Roundings to bf16 follow transformers in bf16
+// (the convolution's output, beta, the core output and the gated norm's steps).
 #include <cuda_bf16.h>
 
 #include <algorithm>
 
-#include "kernels/cuda/device_math.cuh"
-#include "kernels/cuda/gated_delta_net.h"
+#include "kernels/cuda/gdn_math.cuh"
 #include "kernels/cuda/pdl.cuh"
 
 namespace dflash::cuda {
@@ -22,21 +19,14 @@ namespace {
 
 constexpr int kConvThreads = 128;
 constexpr int kRecThreads = 128;   // 4 independent warps
-constexpr int kCols = 8;           // state columns per warp (decode and verification)
-constexpr int kPrepRows = 64;      // calls with segments of this many rows (tape included) take the prepared form
-constexpr int kRowsPerLane = 8;    // k_dim <= 256
+constexpr int kCols = 8;           // state columns per warp
+constexpr int kRowsPerLane = kGdnRowsPerLane;
 constexpr int kMaxConvWindow = 15;
 constexpr int kConvRows = 16;      // rows per block of the convolution
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-// Segment fields (GdnSegment packed as kSegFields ints).
-__device__ __forceinline__ GdnSegment segment(const int32_t* segs, int i) {
-  const int32_t* s = segs + i * kSegFields;
-  return {s[0], s[1], s[2], s[3], s[4], s[5] != 0, s[6] != 0};
-}
+__device__ __forceinline__ float silu(float x) { return gdn_silu(x); }
+__device__ __forceinline__ float sigmoid(float x) { return gdn_sigmoid(x); }
+__device__ __forceinline__ GdnSegment segment(const int32_t* segs, int i) { return gdn_segment(segs, i); }
 
 // A segment's raw input of channel c (of tape_width: [q|k|v] then b, a) at row t of its tape rows
 // followed by its new rows; t < 0 reads the convolution window before them (zeros when fresh).
@@ -118,103 +108,37 @@ __global__ void gdn_conv_state_kernel(const bf16* proj, int64_t proj_stride, Gdn
   for (int i = 0; i < seg.n_rows; ++i) slot_tape[i * raw.W + c] = raw(seg.replay + i, c);
 }
 
-// A lane's kC columns of a state row, together in memory: 8-byte or 16-byte accesses.
-template <int kC>
+// A lane's kCols columns of a state row, together in memory: 16-byte accesses.
 __device__ __forceinline__ void load_cols(const float* src, float* dst) {
-  if constexpr (kC == 2) {
-    const float2 v = *reinterpret_cast<const float2*>(src);
-    dst[0] = v.x, dst[1] = v.y;
-  } else {
 #pragma unroll
-    for (int c = 0; c < kC; c += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(src + c);
-      dst[c] = v.x, dst[c + 1] = v.y, dst[c + 2] = v.z, dst[c + 3] = v.w;
-    }
+  for (int c = 0; c < kCols; c += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src + c);
+    dst[c] = v.x, dst[c + 1] = v.y, dst[c + 2] = v.z, dst[c + 3] = v.w;
   }
 }
 
-template <int kC>
 __device__ __forceinline__ void store_cols(float* dst, const float* src) {
-  if constexpr (kC == 2) {
-    *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
-  } else {
 #pragma unroll
-    for (int c = 0; c < kC; c += 4) *reinterpret_cast<float4*>(dst + c) = make_float4(src[c], src[c + 1], src[c + 2], src[c + 3]);
-  }
+  for (int c = 0; c < kCols; c += 4) *reinterpret_cast<float4*>(dst + c) = make_float4(src[c], src[c + 1], src[c + 2], src[c + 3]);
 }
 
-// A row's q and k of key head kh as one warp holds them (lane: dims lane, lane + 32, ...),
-// L2-normalized, q also scaled by k_dim^-1/2: the recurrence's own order of operations, so that the
-// prepared form and the in-loop form give the same bits.
-__device__ __forceinline__ void normalize_qk(float (&q)[kRowsPerLane], float (&k)[kRowsPerLane], float q_scale) {
-  float qq = 0.0f, kk = 0.0f;
-#pragma unroll
-  for (int m = 0; m < kRowsPerLane; ++m) {
-    qq += q[m] * q[m];
-    kk += k[m] * k[m];
-  }
-  const float q_inv = rsqrtf(warp_sum(qq) + 1e-6f) * q_scale, k_inv = rsqrtf(warp_sum(kk) + 1e-6f);
-#pragma unroll
-  for (int m = 0; m < kRowsPerLane; ++m) {
-    q[m] *= q_inv;
-    k[m] *= k_inv;
-  }
-}
-
-__device__ __forceinline__ float gdn_beta(float b) { return round_bf(sigmoid(b)); }
-__device__ __forceinline__ float gdn_decay(float a, float a_log_h, float dt_bias_h) {
-  return expf(-expf(a_log_h) * softplus(a + dt_bias_h));
-}
-
-// The prepared form's first pass, in place on the convolution's output x: per row and key head (a
-// warp) q and k normalized, and for the key head's value heads b -> beta and a -> decay.
-__global__ void gdn_prep_kernel(float* x, int64_t x_stride, GdnShape p, const float* a_log, const float* dt_bias,
-                                const int32_t* segs) {
-  pdl_begin();
-  const GdnSegment seg = segment(segs, blockIdx.y);
-  const int kh = blockIdx.x * (kRecThreads / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (kh >= p.n_k_heads) return;
-  const int dk = p.k_dim, ratio = p.n_v_heads / p.n_k_heads;
-  const int64_t key_dim = int64_t{p.n_k_heads} * dk, C = p.conv_dim();
-  for (int r = blockIdx.z; r < seg.replay + seg.n_rows; r += gridDim.z) {
-    float* row = x + (seg.scratch_first + r) * x_stride;
-    float q[kRowsPerLane], k[kRowsPerLane];
-#pragma unroll
-    for (int m = 0; m < kRowsPerLane; ++m) {
-      const int i = lane + 32 * m;
-      q[m] = i < dk ? row[kh * dk + i] : 0.0f;
-      k[m] = i < dk ? row[key_dim + kh * dk + i] : 0.0f;
-    }
-    normalize_qk(q, k, rsqrtf(static_cast<float>(dk)));
-#pragma unroll
-    for (int m = 0; m < kRowsPerLane; ++m) {
-      const int i = lane + 32 * m;
-      if (i < dk) row[kh * dk + i] = q[m], row[key_dim + kh * dk + i] = k[m];
-    }
-    for (int j = lane; j < ratio; j += 32) {
-      const int h = kh * ratio + j;
-      row[C + h] = gdn_beta(row[C + h]);
-      row[C + p.n_v_heads + h] = gdn_decay(row[C + p.n_v_heads + h], a_log[h], dt_bias[h]);
-    }
-  }
-}
-
-// One warp per (value head, group of kC state columns, segment), no block-level
+// One warp per (value head, group of kCols state columns, segment), no block-level
 // synchronization: lane l holds rows l, l + 32, ... of the group's columns of S [k_dim, v_dim]
 // for the whole segment, and every sum over rows is a butterfly. Columns of S evolve
 // independently (each needs only q, k, its v, beta and the decay), so a head's columns spread
 // over several warps; the gated norm, which needs a head's whole output, runs after
 // (gdn_gated_norm_kernel). out receives the core output rounded to bf16 (as transformers rounds it).
-// Column sums run in the same order whatever kC, so every kC gives the same bits. kPrepared: x
-// holds normalized q and k, beta and decay (gdn_prep_kernel).
-template <int kC, bool kPrepared>
+// Segments that take the chunked form are left to it.
 __global__ void __launch_bounds__(kRecThreads)
     gdn_recurrent_kernel(const float* x, int64_t x_stride, GdnShape p, const float* a_log, const float* dt_bias,
-                         const int32_t* segs, float* state, bf16* out, int64_t out_stride, int n_items) {
+                         const int32_t* segs, int chunk_min_rows, float* state, bf16* out, int64_t out_stride,
+                         int n_items) {
+  constexpr int kC = kCols;
   pdl_begin();
   const int item = blockIdx.x * (kRecThreads / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (item >= n_items) return;
   const GdnSegment seg = segment(segs, blockIdx.y);
+  if (gdn_takes_chunks(seg, chunk_min_rows)) return;
   const int dk = p.k_dim, dv = p.v_dim, groups = (dv + kC - 1) / kC;
   const int h = item / groups, j0 = (item % groups) * kC, ratio = p.n_v_heads / p.n_k_heads, kh = h / ratio;
   float* S_mem = state + seg.slot * (int64_t{p.n_v_heads} * dk * dv) + int64_t{h} * dk * dv;
@@ -226,7 +150,7 @@ __global__ void __launch_bounds__(kRecThreads)
     const int i = lane + 32 * m;
     const float* src = S_mem + int64_t{i} * dv + j0;
     if (vec && i < dk && !seg.fresh) {
-      load_cols<kC>(src, S[m]);
+      load_cols(src, S[m]);
       continue;
     }
 #pragma unroll
@@ -238,7 +162,7 @@ __global__ void __launch_bounds__(kRecThreads)
       const int i = lane + 32 * m;
       float* dst = S_mem + int64_t{i} * dv + j0;
       if (vec && i < dk) {
-        store_cols<kC>(dst, S[m]);
+        store_cols(dst, S[m]);
         continue;
       }
 #pragma unroll
@@ -276,9 +200,9 @@ __global__ void __launch_bounds__(kRecThreads)
     float q[kRowsPerLane], k[kRowsPerLane];
 #pragma unroll
     for (int m = 0; m < kRowsPerLane; ++m) q[m] = cur.q[m], k[m] = cur.k[m];
-    if constexpr (!kPrepared) normalize_qk(q, k, q_scale);
-    const float beta = kPrepared ? cur.b : gdn_beta(cur.b);
-    const float decay = kPrepared ? cur.a : gdn_decay(cur.a, a_log_h, dt_bias_h);
+    gdn_normalize_qk(q, k, q_scale);
+    const float beta = gdn_beta(cur.b);
+    const float decay = expf(gdn_log_decay(cur.a, a_log_h, dt_bias_h));
     float mem[kC], o[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
@@ -362,7 +286,8 @@ bool gdn_shape_supported(const GdnShape& p) {
 void launch_gated_delta_net(const Mat& proj, const bf16* conv_w, const float* a_log, const float* dt_bias,
                             const bf16* norm_w, float eps, const GdnShape& p, const int32_t* segs, int n_segs,
                             float* conv_state, float* state, float* tape, int tape_rows, int max_rows, float* x,
-                            int64_t x_stride, Mat out, cudaStream_t s) {
+                            int64_t x_stride, int chunk_min_rows, float* chunk_scratch, int64_t chunk_stride, Mat out,
+                            cudaStream_t s) {
   if (n_segs == 0) return;
   const unsigned conv_blocks = static_cast<unsigned>((p.tape_width() + kConvThreads - 1) / kConvThreads);
   const unsigned row_blocks = static_cast<unsigned>((max_rows + kConvRows - 1) / kConvRows);
@@ -371,30 +296,13 @@ void launch_gated_delta_net(const Mat& proj, const bf16* conv_w, const float* a_
          tape_rows, x, x_stride);
   launch(gdn_conv_state_kernel, dim3(conv_blocks, n_segs), kConvThreads, s, static_cast<const bf16*>(proj.data),
          proj.stride, p, segs, conv_state, tape, tape_rows);
+  if (max_rows >= chunk_min_rows)
+    launch_gdn_chunked(x, x_stride, p, a_log, dt_bias, segs, n_segs, max_rows, chunk_min_rows, chunk_scratch,
+                       chunk_stride, state, out, s);
   const int warps = kRecThreads / 32;
-  auto recurrence = [&](auto kernel, int cols) {
-    const int items = p.n_v_heads * ((p.v_dim + cols - 1) / cols);
-    launch(kernel, dim3((items + warps - 1) / warps, n_segs), kRecThreads, s, static_cast<const float*>(x), x_stride, p,
-           a_log, dt_bias, segs, state, out.data, out.stride, items);
-  };
-  // The fewest columns a warp whose grid the GPU holds at once: a warp walks the whole segment, so
-  // a second wave would wait for the first.
-  auto fits = [&](const void* kernel, int cols) {
-    const int64_t blocks = (int64_t{p.n_v_heads} * ((p.v_dim + cols - 1) / cols) + warps - 1) / warps * n_segs;
-    return gpu_holds_grid(kernel, kRecThreads, blocks);
-  };
-  if (max_rows < kPrepRows) {
-    recurrence(gdn_recurrent_kernel<kCols, false>, kCols);
-  } else {
-    launch(gdn_prep_kernel, dim3((p.n_k_heads + warps - 1) / warps, n_segs, std::min(max_rows, 65535)), kRecThreads, s,
-           x, x_stride, p, a_log, dt_bias, segs);
-    if (fits(reinterpret_cast<const void*>(gdn_recurrent_kernel<2, true>), 2))
-      recurrence(gdn_recurrent_kernel<2, true>, 2);
-    else if (fits(reinterpret_cast<const void*>(gdn_recurrent_kernel<4, true>), 4))
-      recurrence(gdn_recurrent_kernel<4, true>, 4);
-    else
-      recurrence(gdn_recurrent_kernel<kCols, true>, kCols);
-  }
+  const int items = p.n_v_heads * ((p.v_dim + kCols - 1) / kCols);
+  launch(gdn_recurrent_kernel, dim3((items + warps - 1) / warps, n_segs), kRecThreads, s, static_cast<const float*>(x),
+         x_stride, p, a_log, dt_bias, segs, chunk_min_rows, state, out.data, out.stride, items);
   const int64_t norm_items = out.rows * p.n_v_heads;
   if (norm_items == 0) return;
   launch(gdn_gated_norm_kernel, static_cast<unsigned>((norm_items + 3) / 4), 128, s, out.data, out.stride,

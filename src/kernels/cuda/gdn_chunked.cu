@@ -30,20 +30,26 @@ constexpr int kL = kGdnChunk;     // rows of a chunk
 constexpr int kBV = 64;           // state columns of a gdn_chunk_state_kernel block
 constexpr int kMaxDK = 128;       // k_dim of the chunked form (padded to 32, 64 or 128)
 constexpr int kSolveThreads = 128;
-constexpr int kStateThreads = 256;
+constexpr int kStateThreads = 384;  // 12 warps, a 32 x 32 tile of a result each
 constexpr int kPrepThreads = 128;
-// Shared-memory row strides (floats): 4 more than a multiple of 32 for operands read as [m][k]
-// (rows g, columns t of a fragment fall in distinct banks), 8 more for those read as [k][n].
-constexpr int kTS = kL + 4;       // T, A, P: [64][68]
-constexpr int kVS = kBV + 8;      // U / u blocks, S: [..][72]
+static_assert(kBV == kL, "T and the state's column blocks are staged alike");
+// Shared-memory row strides (floats). Operands are read 16 bytes of a row at a time: 16 more than
+// a multiple of 32 puts rows g and g + 1 of a fragment in different banks; 4 more (k, whose
+// columns are read too, and blocks of v) costs two-way conflicts either way.
+constexpr int kTS = kL + 16;       // T, P, y and u transposed: [64][80]
+constexpr int kVS = kL + 4;        // v: [64][68]
 template <int DK>
-constexpr int kKS = DK + 4;       // q, k, W rows
+constexpr int kQS = DK + 16;       // q, the state transposed
+template <int DK>
+constexpr int kKS = DK + 4;        // k
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
+// x rounded to tf32 (kept as a float): what the tensor cores read of it.
+__device__ __forceinline__ float tf32_rounded(float x) { return __uint_as_float(to_tf32(x)); }
 
 // d += a * b for one m16n8k8 tile, tf32 operands, float32 accumulators.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -55,22 +61,85 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// acc[mt] += A[16 mt .. 16 mt + 15][0 .. 8 ksteps) * B[0 .. 8 ksteps)[n0 .. n0 + 7] for a warp:
-// a(m, k) and b(k, n) read the operands (n relative to the warp's 8 columns). Fragment layout of
-// m16n8k8: g = lane / 4, t = lane % 4; a: (g, t) (g + 8, t) (g, t + 4) (g + 8, t + 4); b: (t, g)
-// (t + 4, g); accumulators: (g, 2t) (g, 2t + 1) (g + 8, 2t) (g + 8, 2t + 1).
-template <int MT, typename FA, typename FB>
-__device__ __forceinline__ void warp_product(float (&acc)[MT][4], int ksteps, FA a, FB b) {
+// acc[mt] += sum over k < 8 KSTEPS of A[16 mt + i][k] B[k][n] for a warp's 8 columns n. a(m, k)
+// gives A[m][k .. k + 3], already rounded to tf32; b(k, n) gives B[k .. k + 3][n] as tf32 bits
+// (n relative to the warp's columns). Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4): a
+// (g, s) (g + 8, s) (g, s + 4) (g + 8, s + 4), b (s, g) (s + 4, g) for k slot s = t; accumulators
+// (g, 2t) (g, 2t + 1) (g + 8, 2t) (g + 8, 2t + 1). A sum does not care which k each slot holds, as
+// long as A and B agree: slots t and t + 4 of a pair of k steps take k = 4t, 4t + 1 (first step)
+// and 4t + 2, 4t + 3 (second), so a row's four values are one 16-byte load.
+template <int MT, int KSTEPS, typename FA, typename FB>
+__device__ __forceinline__ void product(float (&acc)[MT][4], FA a, FB b) {
+  static_assert(KSTEPS % 2 == 0, "k steps in pairs");
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  for (int ks = 0; ks < ksteps; ++ks) {
-    const int k = ks * 8 + t;
-    const uint32_t b0 = to_tf32(b(k, g)), b1 = to_tf32(b(k + 4, g));
+#pragma unroll
+  for (int kp = 0; kp < KSTEPS / 2; ++kp) {
+    const int k = kp * 16 + 4 * t;
+    const uint4 bv = b(k, g);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const int m = mt * 16 + g;
-      mma_tf32(acc[mt], to_tf32(a(m, k)), to_tf32(a(m + 8, k)), to_tf32(a(m, k + 4)), to_tf32(a(m + 8, k + 4)), b0, b1);
+      const float4 lo = a(mt * 16 + g, k), hi = a(mt * 16 + g + 8, k);
+      mma_tf32(acc[mt], __float_as_uint(lo.x), __float_as_uint(hi.x), __float_as_uint(lo.y), __float_as_uint(hi.y),
+               bv.x, bv.y);
+      mma_tf32(acc[mt], __float_as_uint(lo.z), __float_as_uint(hi.z), __float_as_uint(lo.w), __float_as_uint(hi.w),
+               bv.z, bv.w);
     }
   }
+}
+
+// Operand loaders for product: four values of a row (16-byte aligned), or of a column.
+__device__ __forceinline__ float4 row4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 col4(const float* p, int stride) {
+  return make_float4(p[0], p[stride], p[2 * stride], p[3 * stride]);
+}
+__device__ __forceinline__ uint4 bits(float4 v) {
+  return make_uint4(__float_as_uint(v.x), __float_as_uint(v.y), __float_as_uint(v.z), __float_as_uint(v.w));
+}
+__device__ __forceinline__ uint4 rounded(float4 v) { return make_uint4(to_tf32(v.x), to_tf32(v.y), to_tf32(v.z), to_tf32(v.w)); }
+
+// A warp's MT x NT tile of m16n8 accumulators: acc[mt][nt] += sum over k of A[16 mt + i][k]
+// B[k][8 nt + j], operands as for product (b's n is relative to the tile's columns). Each A row
+// fragment serves NT column tiles, each B fragment MT row tiles.
+template <int MT, int NT, int KSTEPS, typename FA, typename FB>
+__device__ __forceinline__ void tile_product(float (&acc)[MT][NT][4], FA a, FB b) {
+  static_assert(KSTEPS % 2 == 0, "k steps in pairs");
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kp = 0; kp < KSTEPS / 2; ++kp) {
+    const int k = kp * 16 + 4 * t;
+    uint4 bv[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) bv[nt] = b(k, nt * 8 + g);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint4 lo = bits(a(mt * 16 + g, k)), hi = bits(a(mt * 16 + g + 8, k));
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        mma_tf32(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, bv[nt].x, bv[nt].y);
+        mma_tf32(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, bv[nt].z, bv[nt].w);
+      }
+    }
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+}
+
+// Calls f(m, n, value) for each accumulator of a tile (m, n relative to the tile).
+template <int MT, int NT, typename F>
+__device__ __forceinline__ void for_each_acc(float (&acc)[MT][NT][4], F f) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(mt * 16 + g + (e >= 2 ? 8 : 0), nt * 8 + 2 * t + (e & 1), acc[mt][nt][e]);
 }
 
 template <int MT>
@@ -109,7 +178,8 @@ struct Cols {
 };
 
 // In place on x for the chunked segments, one warp per row and key head: q and k normalized (q
-// scaled by k_dim^-1/2), and per value head of the key head b -> beta, a -> log-decay g.
+// scaled by k_dim^-1/2) and rounded to tf32 (the products' operands), and per value head of the
+// key head b -> beta, a -> log-decay g.
 __global__ void gdn_prep_kernel(float* x, int64_t x_stride, GdnShape p, const float* a_log, const float* dt_bias,
                                 const int32_t* segs, int chunk_min_rows) {
   pdl_begin();
@@ -132,7 +202,7 @@ __global__ void gdn_prep_kernel(float* x, int64_t x_stride, GdnShape p, const fl
 #pragma unroll
     for (int m = 0; m < kGdnRowsPerLane; ++m) {
       const int i = lane + 32 * m;
-      if (i < dk) row[kh * dk + i] = q[m], row[key_dim + kh * dk + i] = k[m];
+      if (i < dk) row[kh * dk + i] = tf32_rounded(q[m]), row[key_dim + kh * dk + i] = tf32_rounded(k[m]);
     }
     for (int j = lane; j < ratio; j += 32) {
       const int h = kh * ratio + j;
@@ -169,14 +239,17 @@ struct SolveSmem {
     float k[kL][kKS<DK>];  // the chunk's k rows
     float v[kL][kVS];      // then blocks of v
   };
-  float a[kL][kTS];
-  float t[kL][kTS];
+  float a[kL][kL + 1];     // A (the solve walks its rows and columns)
+  float t[kL][kTS];        // T
+  float x[3][16][16 + 1];  // the off-diagonal solve's partial products
   float G[kL], beta[kL];
 };
 
 // One block per (value head, chunk, segment): G (the cumulative log-decay, written over g in x),
-// A, T = (I + A)^-1 (to t: row r of x's rows, 64 columns per value head) and U = T (beta v)
-// (written over v in x).
+// A, T = (I + A)^-1 (rounded to tf32, to t: row r of x's rows, 64 columns per value head) and
+// U = T (beta v) (written over v in x). T in float32 on CUDA cores, by 16-row blocks: the diagonal
+// blocks' inverses by forward substitution (a warp each), then T_ij = -T_ii sum_{j <= m < i} A_im
+// T_mj, one block diagonal at a time.
 template <int DK>
 __global__ void __launch_bounds__(kSolveThreads)
     gdn_chunk_solve_kernel(float* x, int64_t x_stride, GdnShape p, const int32_t* segs, int chunk_min_rows,
@@ -214,33 +287,58 @@ __global__ void __launch_bounds__(kSolveThreads)
   for (int nt = warp; nt < kL / 8; nt += kSolveThreads / 32) {
     float acc[kL / 16][4];
     zero(acc);
-    warp_product(acc, DK / 8, [&](int m, int k) { return sm.k[m][k]; },
-                 [&](int k, int n) { return sm.k[nt * 8 + n][k]; });
+    product<kL / 16, DK / 8>(acc, [&](int m, int k) { return row4(&sm.k[m][k]); },
+                             [&](int k, int n) { return bits(row4(&sm.k[nt * 8 + n][k])); });
     for_each_acc(acc, [&](int m, int n, float v) {
       const int j = nt * 8 + n;
-      sm.a[m][j] = j < m ? sm.beta[m] * expf(sm.G[m] - sm.G[j]) * v : 0.0f;
+      sm.a[m][j] = j < m ? sm.beta[m] * __expf(sm.G[m] - sm.G[j]) * v : 0.0f;
     });
   }
   __syncthreads();
-  // T by forward substitution: column j solves (I + A) t = e_j, on lanes 2j and 2j + 1 (one
-  // takes the even terms of each sum, the other the odd ones).
-  static_assert(kSolveThreads == 2 * kL, "two threads a column of T");
-  {
-    const int j = tid / 2, half = tid % 2;
-    for (int i = 0; i < kL; ++i) {
+  {  // the diagonal blocks: warp b, column j of block b on lanes j and j + 16 (even and odd terms)
+    const int b0 = warp * 16, j = lane % 16, half = lane / 16;
+    for (int i = 0; i < 16; ++i) {
       float s = 0.0f;
-      if (i > j && i < L)
-        for (int m = j + half; m < i; m += 2) s += sm.a[i][m] * sm.t[m][j];
-      s += __shfl_xor_sync(kFull, s, 1);
-      if (half == 0) sm.t[i][j] = i == j ? 1.0f : i > j && i < L ? -s : 0.0f;
+      for (int m = j + half; m < i; m += 2) s += sm.a[b0 + i][b0 + m] * sm.t[b0 + m][b0 + j];
+      s += __shfl_xor_sync(kFull, s, 16);
+      if (half == 0) sm.t[b0 + i][b0 + j] = i == j ? 1.0f : i > j ? -s : 0.0f;
       __syncwarp();
+    }
+    for (int e = lane; e < 16 * 16 * 3; e += 32) {  // the blocks above the diagonal are zero
+      const int blk = e / 256, r = e % 256 / 16, c = e % 16;
+      const int bj = warp + 1 + blk;
+      if (bj < 4) sm.t[b0 + r][bj * 16 + c] = 0.0f;
     }
   }
   __syncthreads();
+  for (int d = 1; d < 4; ++d) {  // the blocks (i, i - d): X = sum_{j <= m < i} A_im T_mj, then T_ij = -T_ii X
+    const int nb = 4 - d;
+    for (int e = tid; e < nb * 256; e += kSolveThreads) {
+      const int blk = e / 256, r = e % 256 / 16, c = e % 16, bi = blk + d, bj = blk;
+      float s = 0.0f;
+      for (int m = bj * 16; m < bi * 16; ++m) s += sm.a[bi * 16 + r][m] * sm.t[m][bj * 16 + c];
+      sm.x[blk][r][c] = s;
+    }
+    __syncthreads();
+    for (int e = tid; e < nb * 256; e += kSolveThreads) {
+      const int blk = e / 256, r = e % 256 / 16, c = e % 16, bi = blk + d, bj = blk;
+      float s = 0.0f;
+      for (int m = 0; m <= r; ++m) s += sm.t[bi * 16 + r][bi * 16 + m] * sm.x[blk][m][c];
+      sm.t[bi * 16 + r][bj * 16 + c] = -s;
+    }
+    __syncthreads();
+  }
+  // T rounded to tf32 (the products' operand), here and for the state kernel.
   float* trows = tbuf + (seg.scratch_first + r0) * t_stride + int64_t{h} * kL;
-  for (int e = tid; e < L * kL; e += kSolveThreads) trows[(e / kL) * t_stride + e % kL] = sm.t[e / kL][e % kL];
+  for (int e = tid; e < kL * kL; e += kSolveThreads) {
+    const int i = e / kL, j = e % kL;
+    const float v = tf32_rounded(sm.t[i][j]);
+    sm.t[i][j] = v;
+    if (i < L) trows[i * t_stride + j] = v;
+  }
   // U = T (beta v), 64 value columns at a time, over v in x.
   for (int c0 = 0; c0 < dv; c0 += kBV) {
+    __syncthreads();  // T rounded; the previous block's products done
     stage_rows<kBV, kSolveThreads>(&sm.v[0][0], kVS, rows + col.v + c0, x_stride, L, dv - c0, vec4);
     cp_async_commit();
     cp_async_wait<0>();
@@ -248,32 +346,32 @@ __global__ void __launch_bounds__(kSolveThreads)
     for (int nt = warp; nt < kBV / 8; nt += kSolveThreads / 32) {
       float acc[kL / 16][4];
       zero(acc);
-      warp_product(acc, kL / 8, [&](int m, int k) { return sm.t[m][k]; },
-                   [&](int k, int n) { return sm.beta[k] * sm.v[k][nt * 8 + n]; });
+      product<kL / 16, kL / 8>(acc, [&](int m, int k) { return row4(&sm.t[m][k]); }, [&](int k, int n) {
+        const float4 v = col4(&sm.v[k][nt * 8 + n], kVS), b = row4(&sm.beta[k]);
+        return rounded(make_float4(b.x * v.x, b.y * v.y, b.z * v.z, b.w * v.w));
+      });
       for_each_acc(acc, [&](int m, int n, float v) {
         const int c = c0 + nt * 8 + n;
         if (m < L && c < dv) rows[m * x_stride + col.v + c] = v;
       });
     }
-    __syncthreads();
   }
 }
 
 template <int DK>
 struct StateSmem {
-  float q[kL][kKS<DK>], k[kL][kKS<DK>];
-  float S[DK][kVS];
+  float q[kL][kQS<DK>], k[kL][kKS<DK>];
+  float st[kBV][kQS<DK>];  // the state's columns, transposed: st[c][d] = S[d][c]
   float t[kL][kTS], P[kL][kTS];
-  float u[kL][kVS];  // U, then u
-  float y[kL][kVS];  // beta exp(G) K S
-  float G[kL], bg[kL], dl[kL];  // G, beta exp(G), exp(G_last - G)
+  float y[kBV][kTS];       // beta exp(G) K S, transposed and rounded
+  float u[kBV][kTS];       // U - T y, transposed and rounded
+  float G[kL], eG[kL], bg[kL], dl[kL];  // G, exp(G), beta exp(G), exp(G_last - G)
 };
-static_assert(kBV == kL, "T and the state's column blocks are staged alike");
 
 // One block per (64 state columns, value head, segment): the chunks in order, the state's columns
-// in shared memory. Per chunk: P = mask(exp(G_i - G_j) q_i.k_j); u = U - T (beta exp(G) K S);
-// o = exp(G) Q S + P u; S = exp(G_last) S + (exp(G_last - G) K)^T u. Each warp owns 8 columns of
-// the state and of every result but P, so P's is the one block-wide wait of a chunk.
+// in shared memory. Per chunk, in 32 x 32 tiles a warp: P = mask(exp(G_i - G_j) q_i.k_j) (warps
+// 0-3), Q S (4-7, kept for o), y = beta exp(G) K S (8-11); then u = U - T y (8-11); then o =
+// exp(G) Q S + P u (4-7) and S = exp(G_last) S + (exp(G_last - G) K)^T u (0-3 and 8-11).
 template <int DK>
 __global__ void __launch_bounds__(kStateThreads)
     gdn_chunk_state_kernel(const float* x, int64_t x_stride, GdnShape p, const int32_t* segs, int chunk_min_rows,
@@ -285,21 +383,24 @@ __global__ void __launch_bounds__(kStateThreads)
   extern __shared__ float smem_raw[];
   auto& sm = *reinterpret_cast<StateSmem<DK>*>(smem_raw);
   const int h = blockIdx.y, j0 = blockIdx.x * kBV, dk = p.k_dim, dv = p.v_dim, tid = threadIdx.x;
-  const int nt = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, total = seg.replay + seg.n_rows;
-  const int n0 = nt * 8;  // this warp's 8 columns of every 64-wide result
+  const int warp = tid / 32, total = seg.replay + seg.n_rows;
+  // This warp's tile of a 64 x 64 result, and of S (warps 0-3 and 8-11: DK x 64 in 32 x 32 tiles).
+  const int tm = (warp % 4) / 2 * 32, tn = warp % 2 * 32;
+  const int s_tile = warp < 4 ? warp : warp - 4, sd = s_tile / 2 * 32, sc = s_tile % 2 * 32;
+  constexpr int kSTiles = DK / 32 * 2;
   const Cols col(p, h);
   float* S_mem = state + seg.slot * (int64_t{p.n_v_heads} * dk * dv) + int64_t{h} * dk * dv;
   for (int e = tid; e < DK * kBV; e += kStateThreads) {
     const int d = e / kBV, c = e % kBV;
-    sm.S[d][c] = !seg.fresh && d < dk && j0 + c < dv ? S_mem[int64_t{d} * dv + j0 + c] : 0.0f;
+    sm.st[c][d] = !seg.fresh && d < dk && j0 + c < dv ? S_mem[int64_t{d} * dv + j0 + c] : 0.0f;
   }
+  float acc[2][4][4], qs[2][4][4];
   for (int r0 = 0; r0 < total; r0 += kL) {
     const int L = min(kL, total - r0);
     const float* rows = x + (seg.scratch_first + r0) * x_stride;
     __syncthreads();  // the previous chunk is done with the buffers
-    stage_rows<DK, kStateThreads>(&sm.q[0][0], kKS<DK>, rows + col.q, x_stride, L, dk, vec4);
+    stage_rows<DK, kStateThreads>(&sm.q[0][0], kQS<DK>, rows + col.q, x_stride, L, dk, vec4);
     stage_rows<DK, kStateThreads>(&sm.k[0][0], kKS<DK>, rows + col.k, x_stride, L, dk, vec4);
-    stage_rows<kBV, kStateThreads>(&sm.u[0][0], kVS, rows + col.v + j0, x_stride, L, dv - j0, vec4);
     stage_rows<kL, kStateThreads>(&sm.t[0][0], kTS, tbuf + (seg.scratch_first + r0) * t_stride + int64_t{h} * kL,
                                   t_stride, L, kL, vec4);
     cp_async_commit();
@@ -307,73 +408,84 @@ __global__ void __launch_bounds__(kStateThreads)
       const int i = tid;
       const float G = rows[min(i, L - 1) * x_stride + col.g], G_last = rows[(L - 1) * x_stride + col.g];
       const float beta = i < L ? rows[i * x_stride + col.beta] : 0.0f;
+      const float eG = __expf(G);
       sm.G[i] = G;  // rows past the end: exp(0) times zeros
-      sm.bg[i] = beta * expf(G);
-      sm.dl[i] = expf(G_last - G);
+      sm.eG[i] = eG;
+      sm.bg[i] = beta * eG;
+      sm.dl[i] = __expf(G_last - G);
     }
     cp_async_wait<0>();
     __syncthreads();
     const float G_last = sm.G[L - 1];
-    {  // P = exp(G_i - G_j) q_i.k_j for j <= i, this warp's columns j
-      float acc[kL / 16][4];
+    {
       zero(acc);
-      warp_product(acc, DK / 8, [&](int m, int k) { return sm.q[m][k]; }, [&](int k, int n) { return sm.k[n0 + n][k]; });
-      for_each_acc(acc, [&](int m, int n, float v) {
-        const int j = n0 + n;
-        sm.P[m][j] = j <= m ? expf(sm.G[m] - sm.G[j]) * v : 0.0f;
+      const auto* a_rows = warp < 8 ? &sm.q[0][0] : &sm.k[0][0];
+      const int a_stride = warp < 8 ? kQS<DK> : kKS<DK>;
+      auto a = [&](int m, int k) { return row4(a_rows + (tm + m) * a_stride + k); };
+      if (warp < 4)
+        tile_product<2, 4, DK / 8>(acc, a, [&](int k, int n) { return bits(row4(&sm.k[tn + n][k])); });
+      else
+        tile_product<2, 4, DK / 8>(acc, a, [&](int k, int n) { return rounded(row4(&sm.st[tn + n][k])); });
+      if (warp < 4) {
+        for_each_acc(acc, [&](int m, int n, float& v) {
+          const int i = tm + m, j = tn + n;
+          sm.P[i][j] = j <= i ? tf32_rounded(__expf(sm.G[i] - sm.G[j]) * v) : 0.0f;
+        });
+      } else if (warp < 8) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qs[mt][nt][e] = acc[mt][nt][e];
+      } else {
+        for_each_acc(acc, [&](int m, int n, float& v) { sm.y[tn + n][tm + m] = tf32_rounded(sm.bg[tm + m] * v); });
+      }
+    }
+    __syncthreads();  // P, y
+    if (warp >= 8 && warp < 12) {  // u = U - T y
+      zero(acc);
+      tile_product<2, 4, kL / 8>(acc, [&](int m, int k) { return row4(&sm.t[tm + m][k]); },
+                                 [&](int k, int n) { return bits(row4(&sm.y[tn + n][k])); });
+      for_each_acc(acc, [&](int m, int n, float& v) {
+        const int i = tm + m, c = j0 + tn + n;
+        const float U = i < L && c < dv ? rows[i * x_stride + col.v + c] : 0.0f;
+        sm.u[tn + n][i] = tf32_rounded(U - v);
       });
     }
-    // Q S (kept for o) and y = beta exp(G) K S, then u = U - T y.
-    float qs[kL / 16][4];
-    {
-      float ks[kL / 16][4];
-      zero(qs);
-      zero(ks);
-      warp_product(qs, DK / 8, [&](int m, int k) { return sm.q[m][k]; }, [&](int k, int n) { return sm.S[k][n0 + n]; });
-      warp_product(ks, DK / 8, [&](int m, int k) { return sm.k[m][k]; }, [&](int k, int n) { return sm.S[k][n0 + n]; });
-      for_each_acc(ks, [&](int m, int n, float v) { sm.y[m][n0 + n] = sm.bg[m] * v; });
-      __syncwarp();
-      float ty[kL / 16][4];
-      zero(ty);
-      warp_product(ty, kL / 8, [&](int m, int k) { return sm.t[m][k]; }, [&](int k, int n) { return sm.y[k][n0 + n]; });
-      for_each_acc(ty, [&](int m, int n, float v) { sm.u[m][n0 + n] -= v; });
-    }
-    __syncthreads();  // P complete
-    {  // o = exp(G) Q S + P u, to out (rows past the tape, columns inside v_dim)
-      float o[kL / 16][4];
-      zero(o);
-      warp_product(o, kL / 8, [&](int m, int k) { return sm.P[m][k]; }, [&](int k, int n) { return sm.u[k][n0 + n]; });
+    __syncthreads();  // u
+    if (warp >= 4 && warp < 8) {  // o = exp(G) Q S + P u, to out (rows past the tape, columns inside v_dim)
+      zero(acc);
+      tile_product<2, 4, kL / 8>(acc, [&](int m, int k) { return row4(&sm.P[tm + m][k]); },
+                                 [&](int k, int n) { return bits(row4(&sm.u[tn + n][k])); });
 #pragma unroll
-      for (int mt = 0; mt < kL / 16; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = mt * 16 + g + (e >= 2 ? 8 : 0), c = j0 + n0 + 2 * t + (e & 1), r = r0 + m;
-          if (m >= L || r < seg.replay || c >= dv) continue;
-          const float core = expf(sm.G[m]) * qs[mt][e] + o[mt][e];
-          *reinterpret_cast<__nv_bfloat16*>(out + int64_t{seg.first_row + r - seg.replay} * out_stride +
-                                            int64_t{h} * dv + c) = __float2bfloat16(core);
-        }
-    }
-    {  // S = exp(G_last) S + (exp(G_last - G) K)^T u: rows of S in tiles of 16
-      float acc[DK / 16][4];
-      const float decay = expf(G_last);
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int mt = 0; mt < DK / 16; ++mt) {
-        acc[mt][0] = decay * sm.S[mt * 16 + g][n0 + 2 * t];
-        acc[mt][1] = decay * sm.S[mt * 16 + g][n0 + 2 * t + 1];
-        acc[mt][2] = decay * sm.S[mt * 16 + g + 8][n0 + 2 * t];
-        acc[mt][3] = decay * sm.S[mt * 16 + g + 8][n0 + 2 * t + 1];
-      }
-      warp_product(acc, kL / 8, [&](int m, int k) { return sm.dl[k] * sm.k[k][m]; },
-                   [&](int k, int n) { return sm.u[k][n0 + n]; });
-      __syncwarp();  // every lane has read its operands of S
-      for_each_acc(acc, [&](int m, int n, float v) { sm.S[m][n0 + n] = v; });
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = fmaf(sm.eG[tm + mt * 16 + (tid % 32) / 4 + (e >= 2 ? 8 : 0)],
+                                                            qs[mt][nt][e], acc[mt][nt][e]);
+      for_each_acc(acc, [&](int m, int n, float& core) {
+        const int i = tm + m, c = j0 + tn + n, r = r0 + i;
+        if (i >= L || r < seg.replay || c >= dv) return;
+        *reinterpret_cast<__nv_bfloat16*>(out + int64_t{seg.first_row + r - seg.replay} * out_stride +
+                                          int64_t{h} * dv + c) = __float2bfloat16(core);
+      });
+    } else if (s_tile < kSTiles) {  // S = exp(G_last) S + (exp(G_last - G) K)^T u
+      const float decay = __expf(G_last);
+      for_each_acc(acc, [&](int m, int n, float& v) { v = decay * sm.st[sc + n][sd + m]; });
+      tile_product<2, 4, kL / 8>(acc, [&](int m, int k) { return col4(&sm.k[k][sd + m], kKS<DK>); },
+                                 [&](int k, int n) {
+                                   const float4 u = row4(&sm.u[sc + n][k]), dl = row4(&sm.dl[k]);
+                                   return rounded(make_float4(dl.x * u.x, dl.y * u.y, dl.z * u.z, dl.w * u.w));
+                                 });
+      for_each_acc(acc, [&](int m, int n, float& v) { sm.st[sc + n][sd + m] = v; });
     }
   }
   __syncthreads();
   for (int e = tid; e < DK * kBV; e += kStateThreads) {
     const int d = e / kBV, c = e % kBV;
-    if (d < dk && j0 + c < dv) S_mem[int64_t{d} * dv + j0 + c] = sm.S[d][c];
+    if (d < dk && j0 + c < dv) S_mem[int64_t{d} * dv + j0 + c] = sm.st[c][d];
   }
 }
 

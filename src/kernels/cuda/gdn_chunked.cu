@@ -254,7 +254,9 @@ template <int DK>
 __global__ void __launch_bounds__(kSolveThreads)
     gdn_chunk_solve_kernel(float* x, int64_t x_stride, GdnShape p, const int32_t* segs, int chunk_min_rows,
                            bool vec4, float* tbuf, int64_t t_stride) {
-  pdl_begin();
+  // The state walk after this kernel holds most of an SM's shared memory: released at the end, so
+  // that its blocks do not take SMs from this kernel's while they wait.
+  pdl_wait();
   const GdnSegment seg = gdn_segment(segs, blockIdx.z);
   const int total = seg.replay + seg.n_rows, r0 = blockIdx.y * kL;
   if (!gdn_takes_chunks(seg, chunk_min_rows) || r0 >= total) return;
@@ -356,6 +358,7 @@ __global__ void __launch_bounds__(kSolveThreads)
       });
     }
   }
+  pdl_release();
 }
 
 template <int DK>

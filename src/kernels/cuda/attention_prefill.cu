@@ -253,11 +253,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 }
 
 // A warp per (row, head) of the long form's rows with several splits merges their partial
-// states in split order (kDims dims a lane).
+// states in split order (kDims dims a lane). Everything kBatch splits need is requested before
+// any of it is used: a row at 32768 keys has 64 splits, and one trip to L2 a split made this
+// kernel take longer than the attention before it.
 template <int kDims>
 __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows, AttnShape shp,
                                     const int32_t* __restrict__ work_rows, const float* __restrict__ workspace,
                                     int max_splits, bf16* __restrict__ out, int64_t out_stride) {
+  constexpr int kBatch = kDims <= 4 ? 16 : 8;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32, hd = shp.head_dim;
   const bool valid = item < static_cast<int64_t>(n_rows) * shp.n_heads;
@@ -266,19 +269,30 @@ __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows
   const int n_splits = valid ? long_splits(vis) : 0;
   pdl_wait();
   if (n_splits > 1) {
-    const int s0 = vis.begin / kAttnLongSplitKeys;
     const int64_t work_item = static_cast<int64_t>(work_rows[row]) * shp.n_heads + head;
-    const float* base = workspace + work_item * max_splits * (hd + 2);
+    const float* base = workspace + (work_item * max_splits + vis.begin / kAttnLongSplitKeys) * (hd + 2);
     float m = -INFINITY, l = 0.0f, a[kDims] = {};
-    for (int s = s0; s < s0 + n_splits; ++s) {
-      const float* part = base + s * (hd + 2);
-      const float ms = __ldcg(part), m_new = fmaxf(m, ms);
-      if (m_new == -INFINITY) continue;  // neither has a visible key
-      const float c_self = fast_exp2(m - m_new), c_part = fast_exp2(ms - m_new);
-      l = l * c_self + __ldcg(part + 1) * c_part;
+    for (int s0 = 0; s0 < n_splits; s0 += kBatch) {
+      float mb[kBatch], lb[kBatch], v[kBatch][kDims];
 #pragma unroll
-      for (int j = 0; j < kDims; ++j) a[j] = a[j] * c_self + __ldcg(part + 2 + lane + 32 * j) * c_part;
-      m = m_new;
+      for (int u = 0; u < kBatch; ++u) {
+        const bool ok = s0 + u < n_splits;
+        const float* part = base + (s0 + u) * (hd + 2);
+        mb[u] = ok ? __ldcg(part) : -INFINITY;
+        lb[u] = ok ? __ldcg(part + 1) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < kDims; ++j) v[u][j] = ok ? __ldcg(part + 2 + lane + 32 * j) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const float m_new = fmaxf(m, mb[u]);
+        if (m_new == -INFINITY) continue;  // neither has a visible key
+        const float c_self = fast_exp2(m - m_new), c_part = fast_exp2(mb[u] - m_new);
+        l = __fmaf_rn(l, c_self, __fmul_rn(lb[u], c_part));
+#pragma unroll
+        for (int j = 0; j < kDims; ++j) a[j] = __fmaf_rn(a[j], c_self, __fmul_rn(v[u][j], c_part));
+        m = m_new;
+      }
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     auto* o = reinterpret_cast<__nv_bfloat16*>(out + row * out_stride + static_cast<int64_t>(head) * hd);

@@ -252,17 +252,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   pdl_release();
 }
 
-// A warp per (row, head) of the long form's rows with several splits merges their partial
-// states in split order (kDims dims a lane). Everything kBatch splits need is requested before
-// any of it is used: a row at 32768 keys has 64 splits, and one trip to L2 a split made this
-// kernel take longer than the attention before it.
-template <int kDims>
+// A warp per 32 dims of a (row, head) of the long form's rows with several splits merges their
+// partial states in split order (every warp of a head merges m and l the same way, so each dim
+// gets the same bits as from a warp per head). Everything 32 splits need is requested before any
+// of it is used: a row at 32768 keys has 64 splits, and one trip to L2 a split made this kernel
+// take longer than the attention before it.
 __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows, AttnShape shp,
                                     const int32_t* __restrict__ work_rows, const float* __restrict__ workspace,
                                     int max_splits, bf16* __restrict__ out, int64_t out_stride) {
-  constexpr int kBatch = kDims <= 4 ? 16 : 8;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32, hd = shp.head_dim;
+  constexpr int kBatch = 32;
+  const int dim_warps = shp.head_dim / 32;
+  const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t item = warp_id / dim_warps;
+  const int lane = threadIdx.x % 32, hd = shp.head_dim, d = static_cast<int>(warp_id % dim_warps) * 32 + lane;
   const bool valid = item < static_cast<int64_t>(n_rows) * shp.n_heads;
   const int row = valid ? static_cast<int>(item / shp.n_heads) : 0, head = static_cast<int>(item % shp.n_heads);
   const Visible vis = visible_keys(rows[row], shp.sliding_window);
@@ -271,17 +273,16 @@ __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows
   if (n_splits > 1) {
     const int64_t work_item = static_cast<int64_t>(work_rows[row]) * shp.n_heads + head;
     const float* base = workspace + (work_item * max_splits + vis.begin / kAttnLongSplitKeys) * (hd + 2);
-    float m = -INFINITY, l = 0.0f, a[kDims] = {};
+    float m = -INFINITY, l = 0.0f, a = 0.0f;
     for (int s0 = 0; s0 < n_splits; s0 += kBatch) {
-      float mb[kBatch], lb[kBatch], v[kBatch][kDims];
+      float mb[kBatch], lb[kBatch], v[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const bool ok = s0 + u < n_splits;
         const float* part = base + (s0 + u) * (hd + 2);
         mb[u] = ok ? __ldcg(part) : -INFINITY;
         lb[u] = ok ? __ldcg(part + 1) : 0.0f;
-#pragma unroll
-        for (int j = 0; j < kDims; ++j) v[u][j] = ok ? __ldcg(part + 2 + lane + 32 * j) : 0.0f;
+        v[u] = ok ? __ldcg(part + 2 + d) : 0.0f;
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -289,15 +290,13 @@ __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows
         if (m_new == -INFINITY) continue;  // neither has a visible key
         const float c_self = fast_exp2(m - m_new), c_part = fast_exp2(mb[u] - m_new);
         l = __fmaf_rn(l, c_self, __fmul_rn(lb[u], c_part));
-#pragma unroll
-        for (int j = 0; j < kDims; ++j) a[j] = __fmaf_rn(a[j], c_self, __fmul_rn(v[u][j], c_part));
+        a = __fmaf_rn(a, c_self, __fmul_rn(v[u], c_part));
         m = m_new;
       }
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    auto* o = reinterpret_cast<__nv_bfloat16*>(out + row * out_stride + static_cast<int64_t>(head) * hd);
-#pragma unroll
-    for (int j = 0; j < kDims; ++j) o[lane + 32 * j] = __float2bfloat16(a[j] * inv);
+    reinterpret_cast<__nv_bfloat16*>(out + row * out_stride + static_cast<int64_t>(head) * hd)[d] =
+        __float2bfloat16(a * inv);
   }
   pdl_release();
 }
@@ -363,11 +362,8 @@ void launch_attention_long(const Mat& q, const Mat& k_cache, const Mat& v_cache,
   launch_by_dim<true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, work_rows, workspace, out,
                       s);
   if (splits <= 1) return;
-  const int64_t items = int64_t{n_rows} * shp.n_heads;
-  const auto combine = shp.head_dim == 64    ? long_combine_kernel<2>
-                       : shp.head_dim == 128 ? long_combine_kernel<4>
-                                             : long_combine_kernel<8>;
-  launch(combine, static_cast<unsigned>((items + 3) / 4), 128, s, rows, n_rows, shp, work_rows,
+  const int64_t warps = int64_t{n_rows} * shp.n_heads * (shp.head_dim / 32);
+  launch(long_combine_kernel, static_cast<unsigned>((warps + 3) / 4), 128, s, rows, n_rows, shp, work_rows,
          static_cast<const float*>(workspace), splits, out.data, out.stride);
 }
 

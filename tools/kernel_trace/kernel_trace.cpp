@@ -9,6 +9,9 @@
 // time (sum of kernel durations; a graph here runs on one stream) and the gap
 // between them (launch latency and idle SMs between dependent kernels). The
 // summary gives, per graph, the median replay and each kernel's share of it.
+// With DFLASH_TRACE_TIMELINE set, it also writes every kernel and every CUDA
+// runtime or driver call of 100 us or more to that file in start order (where
+// the time of one step went: a slow kernel, or the host between kernels).
 //
 //   CUDA_INJECTION64_PATH=libdflash_kernel_trace.so DFLASH_TRACE_OUT=trace.txt dflash bench-step ...
 #include <cupti.h>
@@ -33,6 +36,7 @@ struct KernelRecord {
 
 std::mutex g_mu;
 std::vector<KernelRecord> g_records;
+std::vector<KernelRecord> g_calls;  // runtime and driver calls of 100 us or more (timeline only)
 size_t g_dropped = 0;
 
 // "void ns::(anonymous namespace)::kernel<4, 2>(args...)" -> "ns::kernel<4, 2>", at most 100 characters.
@@ -67,6 +71,16 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   CUpti_Activity* rec = nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
   while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
+    if (rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME || rec->kind == CUPTI_ACTIVITY_KIND_DRIVER) {
+      const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(rec);
+      if (a->end - a->start < 100000) continue;
+      const char* name = nullptr;
+      cuptiGetCallbackName(rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME ? CUPTI_CB_DOMAIN_RUNTIME_API
+                                                                    : CUPTI_CB_DOMAIN_DRIVER_API,
+                           a->cbid, &name);
+      g_calls.push_back({std::string("call ") + (name ? name : "?"), a->start, a->end, a->correlationId, 0});
+      continue;
+    }
     if (rec->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
     const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
     // The grid tells apart launches of one kernel on different shapes (q/k/v vs o products).
@@ -112,8 +126,28 @@ void write_first_nodes(FILE* f, const std::map<uint32_t, std::vector<size_t>>& r
     std::fprintf(f, "%6zu %10.2f %10.2f  %s\n", j, median(dur[j]), median(added[j]), names[j].c_str());
 }
 
+// Every kernel and long call in start order, microseconds from the first record.
+void write_timeline(const char* path) {
+  FILE* f = std::fopen(path, "w");
+  if (!f) return;
+  std::vector<const KernelRecord*> all;
+  for (const auto& r : g_records) all.push_back(&r);
+  for (const auto& r : g_calls) all.push_back(&r);
+  std::sort(all.begin(), all.end(), [](const auto* a, const auto* b) { return a->start < b->start; });
+  const uint64_t t0 = all.empty() ? 0 : all.front()->start;
+  std::fprintf(f, "%14s %10s %8s  %s\n", "start_us", "dur_us", "graph", "kernel or call");
+  for (const auto* r : all)
+    std::fprintf(f, "%14.1f %10.1f %8u  %s\n", static_cast<double>(r->start - t0) / 1e3,
+                 static_cast<double>(r->end - r->start) / 1e3, r->graph, r->name.c_str());
+  std::fclose(f);
+}
+
 void write_summary() {
   cuptiActivityFlushAll(1);
+  if (const char* timeline = std::getenv("DFLASH_TRACE_TIMELINE")) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    write_timeline(timeline);
+  }
   const char* path = std::getenv("DFLASH_TRACE_OUT");
   FILE* f = path ? std::fopen(path, "w") : stderr;
   if (!f) f = stderr;
@@ -173,6 +207,10 @@ extern "C" int InitializeInjection() {
     std::fprintf(stderr, "kernel_trace: CUPTI activity tracing could not be enabled\n");
     return 0;
   }
+  if (std::getenv("DFLASH_TRACE_TIMELINE") &&
+      (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME) != CUPTI_SUCCESS ||
+       cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER) != CUPTI_SUCCESS))
+    std::fprintf(stderr, "kernel_trace: CUPTI API tracing could not be enabled; the timeline has kernels only\n");
   std::atexit(write_summary);
   return 1;
 }

@@ -10,8 +10,9 @@
 // between them (launch latency and idle SMs between dependent kernels). The
 // summary gives, per graph, the median replay and each kernel's share of it.
 // With DFLASH_TRACE_TIMELINE set, it also writes every kernel and every CUDA
-// runtime or driver call of 100 us or more to that file in start order (where
-// the time of one step went: a slow kernel, or the host between kernels).
+// runtime or driver call of DFLASH_TRACE_CALL_US (default 100) us or more to
+// that file in start order (where the time of one step went: a slow kernel, or
+// the host between kernels).
 //
 //   CUDA_INJECTION64_PATH=libdflash_kernel_trace.so DFLASH_TRACE_OUT=trace.txt dflash bench-step ...
 #include <cupti.h>
@@ -36,7 +37,8 @@ struct KernelRecord {
 
 std::mutex g_mu;
 std::vector<KernelRecord> g_records;
-std::vector<KernelRecord> g_calls;  // runtime and driver calls of 100 us or more (timeline only)
+std::vector<KernelRecord> g_calls;  // runtime and driver calls of g_call_ns or more (timeline only)
+uint64_t g_call_ns = 100000;
 size_t g_dropped = 0;
 
 // "void ns::(anonymous namespace)::kernel<4, 2>(args...)" -> "ns::kernel<4, 2>", at most 100 characters.
@@ -73,7 +75,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
     if (rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME || rec->kind == CUPTI_ACTIVITY_KIND_DRIVER) {
       const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(rec);
-      if (a->end - a->start < 100000) continue;
+      if (a->end - a->start < g_call_ns) continue;
       const char* name = nullptr;
       cuptiGetCallbackName(rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME ? CUPTI_CB_DOMAIN_RUNTIME_API
                                                                     : CUPTI_CB_DOMAIN_DRIVER_API,
@@ -207,6 +209,7 @@ extern "C" int InitializeInjection() {
     std::fprintf(stderr, "kernel_trace: CUPTI activity tracing could not be enabled\n");
     return 0;
   }
+  if (const char* us = std::getenv("DFLASH_TRACE_CALL_US")) g_call_ns = static_cast<uint64_t>(std::atof(us) * 1e3);
   if (std::getenv("DFLASH_TRACE_TIMELINE") &&
       (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME) != CUPTI_SUCCESS ||
        cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER) != CUPTI_SUCCESS))

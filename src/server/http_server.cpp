@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -169,6 +170,7 @@ struct HttpServer::Impl {
   std::atomic<uint64_t> next_id{1};
   std::mutex seed_mu;
   std::mt19937_64 seed_gen{std::random_device{}()};
+  std::atomic<bool> stop_requested{false};  // stop() was called (maybe before the server ran)
   // A fresh seed for a sampled request that names none.
   uint64_t seeds() {
     std::lock_guard<std::mutex> lk(seed_mu);
@@ -490,26 +492,43 @@ void HttpServer::run(const std::function<void(int)>& on_listening) {
   }
   // The first exchange of a fresh server starts its worker threads and request path: about 4 ms
   // to accept the first connection and 5-7 ms more before its handler ran (H200, 8B shape:
-  // bench/results/ttft_h200_qwen3-8b-shape_timeline.txt). The server asks itself for /health
-  // before it says where it listens, so that its first client's request is as fast as the later ones.
-  std::atomic<bool> stopped{false};
-  std::thread listener([&] {
-    impl_->svr.listen_after_bind();
-    stopped = true;
+  // bench/results/ttft_h200_qwen3-8b-shape_timeline.txt). A helper thread asks the server for
+  // /health once it accepts, and only then calls on_listening, so that its first client's request
+  // is as fast as the later ones. on_listening is called exactly once, also when the server stops
+  // or fails to listen first; what it throws stops the server and is rethrown here.
+  std::atomic<bool> listen_ended{false};
+  std::exception_ptr failure;
+  std::thread announcer([&] {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!impl_->svr.is_running() && !listen_ended && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    try {
+      if (impl_->stop_requested) impl_->svr.stop();  // a stop() that came before the server ran
+      if (impl_->svr.is_running()) {
+        const std::string& h = impl_->opts.host;
+        httplib::Client self(h == "0.0.0.0" ? "127.0.0.1" : h == "::" ? "::1" : h, port);
+        self.set_connection_timeout(10);
+        self.Get("/health");
+      }
+      on_listening(port);
+    } catch (...) {
+      failure = std::current_exception();
+      impl_->stop_requested = true;
+      while (!listen_ended) {  // stop() does nothing until the server runs
+        impl_->svr.stop();
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
   });
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!impl_->svr.is_running() && !stopped && std::chrono::steady_clock::now() < give_up)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (impl_->svr.is_running()) {
-    const std::string& h = impl_->opts.host;
-    httplib::Client self(h == "0.0.0.0" ? "127.0.0.1" : h == "::" ? "::1" : h, port);
-    self.set_connection_timeout(10);
-    self.Get("/health");
-  }
-  if (!stopped) on_listening(port);
-  listener.join();
+  impl_->svr.listen_after_bind();
+  listen_ended = true;
+  announcer.join();
+  if (failure) std::rethrow_exception(failure);
 }
 
-void HttpServer::stop() { impl_->svr.stop(); }
+void HttpServer::stop() {
+  impl_->stop_requested = true;  // run() stops the server once it runs, if this came before
+  impl_->svr.stop();
+}
 
 }  // namespace dflash::server

@@ -44,7 +44,8 @@ class HttpServer {
   HttpServer(ServingEngine& engine, const ServerOptions& opts);
   HttpServer(EngineApi& engine, const ServerOptions& opts);
   ~HttpServer();
-  // Binds and serves until stop(); calls on_listening(port) once bound. Throws Error when it cannot bind.
+  // Binds and serves until stop(); calls on_listening(port) once, when it accepts requests (after one
+  // request of its own, which starts its worker threads). Throws Error when it cannot bind.
   void run(const std::function<void(int)>& on_listening);
   void stop();
 

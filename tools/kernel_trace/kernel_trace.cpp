@@ -209,7 +209,7 @@ extern "C" int InitializeInjection() {
     std::fprintf(stderr, "kernel_trace: CUPTI activity tracing could not be enabled\n");
     return 0;
   }
-  if (const char* us = std::getenv("DFLASH_TRACE_CALL_US")) g_call_ns = static_cast<uint64_t>(std::atof(us) * 1e3);
+  if (const char* us = std::getenv("DFLASH_TRACE_CALL_US")) g_call_ns = static_cast<uint64_t>(std::max(0.0, std::atof(us)) * 1e3);
   if (std::getenv("DFLASH_TRACE_TIMELINE") &&
       (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME) != CUPTI_SUCCESS ||
        cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER) != CUPTI_SUCCESS))

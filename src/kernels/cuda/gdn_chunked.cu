@@ -515,10 +515,24 @@ void launch_chunks(float* x, int64_t x_stride, const GdnShape& p, const int32_t*
               t_stride, state, out.data, out.stride);
 }
 
+// The state walk's shared memory for this k_dim (the solve kernel's is smaller).
+size_t state_smem_bytes(int k_dim) {
+  return k_dim <= 32 ? sizeof(StateSmem<32>) : k_dim <= 64 ? sizeof(StateSmem<64>) : sizeof(StateSmem<128>);
+}
+
 }  // namespace
 
 int gdn_chunk_min_rows(const GdnShape& p, bool batch_invariant) {
-  return p.k_dim <= kMaxDK && !batch_invariant ? kGdnChunkMinRows : INT_MAX;
+  // A GPU that gives a block less shared memory than the walk needs (H100: 227 KiB; the walk
+  // takes up to 186 KiB) keeps the token-by-token form.
+  static const size_t optin = [] {
+    int device = 0, bytes = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return static_cast<size_t>(bytes);
+  }();
+  const bool fits = p.k_dim <= kMaxDK && state_smem_bytes(p.k_dim) <= optin;
+  return fits && !batch_invariant ? kGdnChunkMinRows : INT_MAX;
 }
 
 int64_t gdn_chunk_scratch_cols(const GdnShape& p, int max_rows, int chunk_min_rows) {

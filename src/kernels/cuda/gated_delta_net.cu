@@ -24,10 +24,6 @@ constexpr int kRowsPerLane = kGdnRowsPerLane;
 constexpr int kMaxConvWindow = 15;
 constexpr int kConvRows = 16;      // rows per block of the convolution
 
-__device__ __forceinline__ float silu(float x) { return gdn_silu(x); }
-__device__ __forceinline__ float sigmoid(float x) { return gdn_sigmoid(x); }
-__device__ __forceinline__ GdnSegment segment(const int32_t* segs, int i) { return gdn_segment(segs, i); }
-
 // A segment's raw input of channel c (of tape_width: [q|k|v] then b, a) at row t of its tape rows
 // followed by its new rows; t < 0 reads the convolution window before them (zeros when fresh).
 struct RawRows {
@@ -60,7 +56,7 @@ __global__ void gdn_conv_kernel(const bf16* proj, int64_t proj_stride, const bf1
                                 const int32_t* segs, const float* conv_state, const float* tape, int tape_rows,
                                 float* x, int64_t x_stride) {
   pdl_begin();
-  const GdnSegment seg = segment(segs, blockIdx.y);
+  const GdnSegment seg = gdn_segment(segs, blockIdx.y);
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const RawRows raw = raw_rows(proj, proj_stride, p, seg, conv_state, tape, tape_rows);
   const int total = seg.replay + seg.n_rows, t0 = blockIdx.z * kConvRows, t1 = min(total, t0 + kConvRows);
@@ -79,7 +75,7 @@ __global__ void gdn_conv_kernel(const bf16* proj, int64_t proj_stride, const bf1
 #pragma unroll
     for (int j = 0; j <= kMaxConvWindow; ++j)
       if (j < K) acc += w[j] * raw(t - (K - 1) + j, c);
-    xr[t * x_stride + c] = round_bf(silu(round_bf(acc)));
+    xr[t * x_stride + c] = round_bf(gdn_silu(round_bf(acc)));
   }
 }
 
@@ -89,7 +85,7 @@ __global__ void gdn_conv_kernel(const bf16* proj, int64_t proj_stride, const bf1
 __global__ void gdn_conv_state_kernel(const bf16* proj, int64_t proj_stride, GdnShape p, const int32_t* segs,
                                       float* conv_state, float* tape, int tape_rows) {
   pdl_begin();
-  const GdnSegment seg = segment(segs, blockIdx.y);
+  const GdnSegment seg = gdn_segment(segs, blockIdx.y);
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const RawRows raw = raw_rows(proj, proj_stride, p, seg, conv_state, tape, tape_rows);
   if (c >= raw.W) return;
@@ -137,7 +133,7 @@ __global__ void __launch_bounds__(kRecThreads)
   pdl_begin();
   const int item = blockIdx.x * (kRecThreads / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (item >= n_items) return;
-  const GdnSegment seg = segment(segs, blockIdx.y);
+  const GdnSegment seg = gdn_segment(segs, blockIdx.y);
   if (gdn_takes_chunks(seg, chunk_min_rows)) return;
   const int dk = p.k_dim, dv = p.v_dim, groups = (dv + kC - 1) / kC;
   const int h = item / groups, j0 = (item % groups) * kC, ratio = p.n_v_heads / p.n_k_heads, kh = h / ratio;
@@ -236,7 +232,7 @@ __global__ void __launch_bounds__(kRecThreads)
   if (seg.commit) store_state();
 }
 
-// In place on the core output (one warp per row and value head): rmsnorm(o) * norm * silu(z)
+// In place on the core output (one warp per row and value head): rmsnorm(o) * norm * gdn_silu(z)
 // with transformers' roundings in bf16.
 __global__ void gdn_gated_norm_kernel(bf16* out, int64_t out_stride, const bf16* proj, int64_t proj_stride,
                                       GdnShape p, const bf16* norm_w, float eps, int64_t n_items) {
@@ -252,7 +248,7 @@ __global__ void gdn_gated_norm_kernel(bf16* out, int64_t out_stride, const bf16*
   const float scale = rsqrtf(warp_sum(ss) / static_cast<float>(dv) + eps);
   for (int j = lane; j < dv; j += 32) {
     const float normed = round_bf(ld(norm_w + j) * round_bf(ld(o + j) * scale));
-    *reinterpret_cast<__nv_bfloat16*>(o + j) = __float2bfloat16(normed * silu(ld(z + j)));
+    *reinterpret_cast<__nv_bfloat16*>(o + j) = __float2bfloat16(normed * gdn_silu(ld(z + j)));
   }
 }
 
@@ -260,7 +256,7 @@ __global__ void sigmoid_mul_kernel(bf16* x, int64_t x_stride, const bf16* gate, 
   pdl_begin();
   const int64_t r = blockIdx.x;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    const float v = ld(x + r * x_stride + i) * round_bf(sigmoid(ld(gate + r * gate_stride + i)));
+    const float v = ld(x + r * x_stride + i) * round_bf(gdn_sigmoid(ld(gate + r * gate_stride + i)));
     *reinterpret_cast<__nv_bfloat16*>(x + r * x_stride + i) = __float2bfloat16(v);
   }
 }
@@ -269,7 +265,7 @@ __global__ void add_sigmoid_scaled_kernel(bf16* acc, int64_t acc_stride, const b
                                           const bf16* gate, int64_t gate_stride, int64_t cols) {
   pdl_begin();
   const int64_t r = blockIdx.x;
-  const float s = round_bf(sigmoid(ld(gate + r * gate_stride)));
+  const float s = round_bf(gdn_sigmoid(ld(gate + r * gate_stride)));
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
     const float v = ld(acc + r * acc_stride + i) + round_bf(s * ld(y + r * y_stride + i));
     *reinterpret_cast<__nv_bfloat16*>(acc + r * acc_stride + i) = __float2bfloat16(v);

@@ -43,24 +43,6 @@ constexpr int kQS = DK + 16;       // q, the state transposed
 template <int DK>
 constexpr int kKS = DK + 4;        // k
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-// x rounded to tf32 (kept as a float): what the tensor cores read of it.
-__device__ __forceinline__ float tf32_rounded(float x) { return __uint_as_float(to_tf32(x)); }
-
-// d += a * b for one m16n8k8 tile, tf32 operands, float32 accumulators.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // acc[mt] += sum over k < 8 KSTEPS of A[16 mt + i][k] B[k][n] for a warp's 8 columns n. a(m, k)
 // gives A[m][k .. k + 3], already rounded to tf32; b(k, n) gives B[k .. k + 3][n] as tf32 bits
 // (n relative to the warp's columns). Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4): a
@@ -542,7 +524,6 @@ int64_t gdn_chunk_scratch_cols(const GdnShape& p, int max_rows, int chunk_min_ro
 void launch_gdn_chunked(float* x, int64_t x_stride, const GdnShape& p, const float* a_log, const float* dt_bias,
                         const int32_t* segs, int n_segs, int max_rows, int min_rows, float* t, int64_t t_stride,
                         float* state, Mat out, cudaStream_t s) {
-  if (max_rows < min_rows) return;
   const int warps = kPrepThreads / 32;
   launch(gdn_prep_kernel, dim3((p.n_k_heads + warps - 1) / warps, n_segs, std::min(max_rows, 65535)), kPrepThreads, s,
          x, x_stride, p, a_log, dt_bias, segs, min_rows);

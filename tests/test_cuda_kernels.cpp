@@ -1077,5 +1077,75 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
   }
 }
 
+// The routed MLP of one token that normalizes its own input (the router product, then gate/up and
+// down kernels that route the token themselves) gives the bits of the separate steps (RMSNorm,
+// the routing kernel, the routed products, the combine) and of the token's row in a batch: output,
+// normalized row, new residual and expert counts; a graph replay too. Its scratch's y rows stay
+// untouched (the steps write them), which shows that the one-token kernels ran.
+TEST_F(CudaOps, NormMoeOfOneTokenGivesTheStepsBits) {
+  struct Case {
+    int h, n_experts, top_k, ff;
+    bool norm, f32, with_delta;
+  };
+  for (const Case c : {Case{2048, 128, 8, 768, true, true, true}, Case{64, 8, 2, 48, false, false, true},
+                       Case{256, 300, 5, 40, true, true, false}, Case{512, 16, 8, 264, false, true, true},
+                       Case{1024, 600, 4, 128, true, false, true}}) {
+    const std::string what = "top " + std::to_string(c.top_k) + " of " + std::to_string(c.n_experts) + ", h " +
+                             std::to_string(c.h) + ", ff " + std::to_string(c.ff) + (c.f32 ? ", f32" : ", bf16") +
+                             (c.with_delta ? " residual + delta" : " residual");
+    auto router = random(c.n_experts, c.h, 6.0f / std::sqrt(static_cast<float>(c.h)));
+    auto gate_up = random(int64_t{c.n_experts} * 2 * c.ff, c.h, 1.7f / std::sqrt(static_cast<float>(c.h)));
+    auto down = random(int64_t{c.n_experts} * c.h, c.ff, 1.7f / std::sqrt(static_cast<float>(c.ff)));
+    MoeWeights w;
+    w.n_experts = c.n_experts;
+    w.top_k = c.top_k;
+    w.n_ff = c.ff;
+    w.norm_topk_prob = c.norm;
+    w.router = router.g;
+    w.gate_up = gate_up.g;
+    w.down = down.g;
+    const int m = 5;
+    auto res = c.f32 ? random_f32(m, c.h, 3.0f) : random(m, c.h, 3.0f);
+    auto delta = random(m, c.h), norm_w = random(1, c.h);
+    auto residual = [&](int64_t rows) { return c.f32 ? gpu->alloc_f32(rows, c.h) : gpu->alloc(rows, c.h); };
+    auto run = [&](bool fused, const Tensor& r, const Tensor& d, Tensor& ro, Tensor& h, Tensor& out, Tensor* counts,
+                   MoeScratch* scratch) {
+      const ResidualNorm n{&r, c.with_delta ? &d : nullptr, c.with_delta ? &ro : nullptr, &norm_w.g, 1e-6f};
+      if (fused) gpu->norm_moe(n, h, w, out, counts, scratch);
+      else gpu->Backend::norm_moe(n, h, w, out, counts, scratch);
+    };
+    // The whole batch (more than one row: the steps).
+    Tensor ro_b = residual(m), h_b = gpu->alloc(m, c.h), out_b = gpu->alloc(m, c.h);
+    run(true, res.g, delta.g, ro_b, h_b, out_b, nullptr, nullptr);
+    for (int r = 0; r < m; ++r) {
+      const std::string row = what + ", row " + std::to_string(r);
+      const Tensor rr = res.g.slice_rows(r, 1), dr = delta.g.slice_rows(r, 1);
+      Tensor ro1 = residual(1), h1 = gpu->alloc(1, c.h), out1 = gpu->alloc(1, c.h);
+      Tensor ro2 = residual(1), h2 = gpu->alloc(1, c.h), out2 = gpu->alloc(1, c.h);
+      Tensor n1 = gpu->alloc_ids(c.n_experts), n2 = gpu->alloc_ids(c.n_experts);
+      auto y = poisoned(c.top_k, c.h);
+      MoeScratch scratch{gpu->alloc(c.top_k, c.ff), y.g};
+      run(true, rr, dr, ro1, h1, out1, &n1, &scratch);
+      run(false, rr, dr, ro2, h2, out2, &n2, nullptr);
+      for (float v : gpu->to_host(y.g)) ASSERT_TRUE(std::isnan(v)) << row << ": the steps ran, not the one-token kernels";
+      EXPECT_EQ(gpu->to_host(out1), gpu->to_host(out2)) << row;
+      EXPECT_EQ(gpu->to_host(h1), gpu->to_host(h2)) << row << ": normalized row";
+      EXPECT_EQ(gpu->ids_to_host(n1), gpu->ids_to_host(n2)) << row << ": expert counts";
+      EXPECT_EQ(gpu->to_host(out1), gpu->to_host(out_b.slice_rows(r, 1))) << row << " against the batch";
+      EXPECT_EQ(gpu->to_host(h1), gpu->to_host(h_b.slice_rows(r, 1))) << row << " against the batch";
+      if (c.with_delta) {
+        EXPECT_EQ(gpu->to_host(ro1), gpu->to_host(ro2)) << row << ": residual";
+        EXPECT_EQ(gpu->to_host(ro1), gpu->to_host(ro_b.slice_rows(r, 1))) << row << ": residual, batch";
+      }
+      if (r == 0) {
+        Tensor ro3 = residual(1), h3 = gpu->alloc(1, c.h), out3 = gpu->alloc(1, c.h);
+        auto graph = gpu->capture_graph([&] { run(true, rr, dr, ro3, h3, out3, nullptr, nullptr); });
+        gpu->replay_graph(graph);
+        EXPECT_EQ(gpu->to_host(out3), gpu->to_host(out1)) << row << ": graph replay";
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dflash

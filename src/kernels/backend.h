@@ -301,6 +301,13 @@ class Backend {
   // MoeScratch) is working memory a caller running many layers allocates once.
   virtual void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows = nullptr,
                    MoeScratch* scratch = nullptr) = 0;
+  // The routed MLP of a normalized input: h = norm_in(n), then moe(h, ...). A backend may fuse
+  // the steps; h is written either way, and the result must be bit-identical.
+  virtual void norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out,
+                        Tensor* expert_rows = nullptr, MoeScratch* scratch = nullptr) {
+    norm_in(n, h);
+    moe(h, w, out, expert_rows, scratch);
+  }
   // Qwen3.5's Gated DeltaNet over proj = [q|k|v (conv_dim) | z (value_dim) | b (n_v) | a (n_v)] per
   // row (the layer's input projections), per segment on its slot of `cache` (layer `layer`):
   // fresh zeroes the slot; replay folds that many tape rows in; then each row r: the causal

@@ -405,9 +405,8 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     token_mixer(be, c, w, l, in, t);
     ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps};
     if (!w.moe.empty()) {
-      be.norm_in(mlp_in, h);
+      be.norm_moe(mlp_in, h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr, &t.moe);
       std::swap(cur, next);
-      be.moe(h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr, &t.moe);
       if (!w.shared_gate.empty()) {  // Qwen3.5-MoE: + sigmoid(h . gate) * shared_expert(h)
         be.matmul_swiglu(h, w.shared_gate_up, nullptr, t.shared_gate_up, t.shared_act);
         be.matmul(t.shared_act, w.shared_down, nullptr, t.shared_y);

@@ -26,6 +26,9 @@ inline Mat mat(const Tensor& t) { return {static_cast<bf16*>(t.data), t.rows, t.
 // A residual-stream tensor (float32 or bf16) for the kernels.
 inline Rows rows_of(const Tensor& t) { return {t.data, t.rows, t.cols, t.stride, t.dtype == DType::F32}; }
 inline bool residual_dtype(const Tensor& t) { return t.dtype == DType::F32 || t.dtype == DType::BF16; }
+// The kernels' view of a ResidualNorm; residual stays null when a tensor is not bf16 or the
+// shapes differ (the caller then takes the separate steps). cuda_ops.cpp.
+RowNorm row_norm(const ResidualNorm& n);
 inline const bf16* bf16_or_null(const Tensor* t) { return t ? static_cast<const bf16*>(t->data) : nullptr; }
 
 inline void require_ids(const Tensor& t, const char* what) {
@@ -104,6 +107,8 @@ class CudaBackend final : public Backend {
                      const std::vector<int32_t>& positions, const AttentionParams& p, Tensor& out) override;
   void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
            MoeScratch* scratch) override;  // cuda_moe_ops.cpp
+  void norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
+                MoeScratch* scratch) override;  // cuda_moe_ops.cpp
   // Qwen3.5 (cuda_hybrid_ops.cpp)
   bool has_gated_delta_net() const override { return true; }
   void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,

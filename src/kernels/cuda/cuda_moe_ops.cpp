@@ -1,8 +1,11 @@
 // The routed MLP of a mixture-of-experts layer on the GPU: the router product, the routing
 // (moe.cu), each touched expert's gate/up (SwiGLU) and down products streaming its weights once for
-// its pairs (launch_skinny_gemm_routed), and the weighted sum per token. No host round trip, fixed
-// launch shapes: capturable in a graph.
+// its pairs (launch_skinny_gemm_routed), and the weighted sum per token; for a single token, the
+// router product that normalizes its own input and two kernels that route the token themselves
+// (moe_token.cu). No host round trip, fixed launch shapes: capturable in a graph.
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 
 #include "kernels/cuda/cuda_backend.h"
 
@@ -63,6 +66,37 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   staging_.launch([&](cudaStream_t s) {
     launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);
   });
+}
+
+// One token (decode at batch 1): three kernels instead of the RMSNorm and six (H100, 30B-A3B
+// shape: bench/results/README.md); other shapes take the steps.
+void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
+                           MoeScratch* scratch) {
+  const RowNorm rn = row_norm(n);
+  const int64_t hidden = n.residual->cols, ff = w.n_ff;
+  const Mat gate_up{static_cast<bf16*>(w.gate_up.data), 2 * ff, hidden, w.gate_up.stride};  // expert 0's
+  const Mat down{static_cast<bf16*>(w.down.data), hidden, ff, w.down.stride};
+  const bool one_token = n.residual->rows == 1 && !n.capture && rn.residual && h.rows == 1 && h.cols == hidden &&
+                         h.dtype == DType::BF16 && w.router.dtype == DType::BF16 &&
+                         w.gate_up.dtype == DType::BF16 && w.down.dtype == DType::BF16 && w.router.cols == hidden &&
+                         skinny_gemm_norm_supported(rn, 1, mat(w.router), false, props_.multiProcessorCount) &&
+                         moe_token_supported(rn, gate_up, down, w.n_experts, w.top_k) &&
+                         (!scratch || scratch->act.rows >= w.top_k) && !std::getenv("DFLASH_AB_MOE_STEPS");
+  if (!one_token) return Backend::norm_moe(n, h, w, out, expert_rows, scratch);
+  check_moe(h, w, out, expert_rows);
+  require_bf16(out, "moe output");
+  check(!expert_rows || expert_rows->stride == 1, "cuda backend: expert_rows must be contiguous");
+  check(reinterpret_cast<uintptr_t>(h.data) % 16 == 0, "cuda backend: moe of one token needs a 16-byte aligned row");
+
+  Tensor logits = alloc(1, w.n_experts);
+  staging_.launch([&](cudaStream_t s) {
+    launch_skinny_gemm_norm(rn, 1, mat(w.router), nullptr, mat(logits), false, props_.multiProcessorCount, s);
+  });
+  Tensor act = scratch ? scratch->act.slice_rows(0, w.top_k) : alloc(w.top_k, ff);
+  const MoeTokenArgs args{w.n_experts, w.top_k, w.norm_topk_prob, 2 * ff * w.gate_up.stride, hidden * w.down.stride,
+                          expert_rows ? static_cast<int32_t*>(expert_rows->data) : nullptr};
+  staging_.launch(
+      [&](cudaStream_t s) { launch_moe_token(rn, mat(logits), args, gate_up, down, mat(act), mat(h), mat(out), s); });
 }
 
 }  // namespace dflash::cuda

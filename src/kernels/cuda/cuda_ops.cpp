@@ -20,8 +20,8 @@ void check_slots(const std::vector<int32_t>& slots, const Tensor& cache) {
   for (int32_t slot : slots) check(slot >= 0 && slot < cache.rows, "cuda backend: KV slot out of range");
 }
 
-// The kernels' view of a ResidualNorm; residual stays null when a tensor is not bf16 or the
-// shapes differ (the caller then takes the separate steps).
+}  // namespace
+
 RowNorm row_norm(const ResidualNorm& n) {
   const Tensor& r = *n.residual;
   RowNorm rn;
@@ -43,8 +43,6 @@ RowNorm row_norm(const ResidualNorm& n) {
   rn.eps = n.eps;
   return rn;
 }
-
-}  // namespace
 
 void CudaBackend::embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out,
                         const DeviceTokens* from_device) {

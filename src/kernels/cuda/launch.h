@@ -190,6 +190,24 @@ bool skinny_gemm_norm_supported(const RowNorm& n, int64_t rows, const Mat& w, bo
 void launch_skinny_gemm_norm(const RowNorm& n, int64_t rows, const Mat& w, const bf16* bias, Mat out, bool swiglu,
                              int n_sms, cudaStream_t s);
 
+// The routed MLP of a single token after its router product (moe_token.cu): the gate/up blocks
+// normalize the token's row (RowNorm, as the router product did; residual_out is not written)
+// and route it from `logits` ([1, n_experts] bf16, the routing kernel's rule); act row j gets
+// swiglu of the j-th chosen expert (increasing index), h_out (optional) the normalized row; then
+// out = the weighted sum of the experts' down products, in the combine's order. Bit-identical
+// to launch_moe_route, launch_skinny_gemm_routed twice and launch_moe_combine on that row.
+// gate_up and down: expert 0's [2 * ff, hidden] and [hidden, ff].
+constexpr int kMoeTokenMaxTopK = 8;
+struct MoeTokenArgs {
+  int n_experts = 0, top_k = 0;
+  bool norm_topk_prob = false;
+  int64_t gate_up_step = 0, down_step = 0;  // elements from one expert's weights to the next
+  int32_t* expert_rows = nullptr;           // optional: 1 for each chosen expert, else 0
+};
+bool moe_token_supported(const RowNorm& n, const Mat& gate_up, const Mat& down, int n_experts, int top_k);
+void launch_moe_token(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a, const Mat& gate_up, const Mat& down,
+                      Mat act, Mat h_out, Mat out, cudaStream_t s);
+
 // One query row's view of the paged cache.
 struct AttnRow {
   int32_t position;    // query position

@@ -8,17 +8,14 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cfloat>
 
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/moe_math.cuh"
 #include "kernels/cuda/pdl.cuh"
 
 namespace dflash::cuda {
 namespace {
-
-// The better of two candidates: larger probability, else the lower expert index.
-__device__ __forceinline__ bool better(float p, int e, float q, int f) { return p > q || (p == q && e < f); }
 
 // One block routes the M rows of logits [M, E], a warp a token. kPerLane: experts a lane looks
 // after (E <= 32 * kPerLane).
@@ -32,61 +29,15 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
 
-  // A warp per token: softmax in float32, then top_k rounds of a warp-wide best untaken expert.
+  // A warp per token; pair j of the token is its j-th chosen expert in increasing index (the
+  // order of the sum in the combine).
   for (int t = warp; t < M; t += n_warps) {
     const bf16* row = logits + t * stride;
-    float p[kPerLane];
-    float m = -FLT_MAX;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane + 32 * i;
-      p[i] = e < E ? ld(row + e) : -FLT_MAX;
-      m = fmaxf(m, p[i]);
-    }
-    m = warp_max(m);
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane + 32 * i;
-      p[i] = e < E ? expf(p[i] - m) : 0.0f;
-      sum += p[i];
-    }
-    sum = warp_sum(sum);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) p[i] = lane + 32 * i < E ? p[i] / sum : -1.0f;  // -1: no expert
-
-    uint32_t taken = 0;  // bit i: this lane's expert lane + 32 i is chosen
-    float top_sum = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-      float bp = -2.0f;
-      int be = INT32_MAX;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        const int e = lane + 32 * i;
-        if (!(taken >> i & 1) && p[i] >= 0.0f && better(p[i], e, bp, be)) bp = p[i], be = e;
-      }
-      for (int o = 16; o > 0; o /= 2) {
-        const float op = __shfl_xor_sync(kFull, bp, o);
-        const int oe = __shfl_xor_sync(kFull, be, o);
-        if (better(op, oe, bp, be)) bp = op, be = oe;
-      }
-      if (be % 32 == lane) taken |= 1u << (be / 32);
-      top_sum += bp;  // in rank order
-    }
-    // Pair j of the token is its j-th chosen expert in increasing index (the order of the sum in
-    // the combine): each lane writes its own, after the chosen experts of lower index.
-    int before = 0;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const uint32_t chosen = __ballot_sync(kFull, taken >> i & 1);
-      if (taken >> i & 1) {
-        const int j = before + __popc(chosen & ((1u << lane) - 1u)), e = lane + 32 * i;
-        r.expert_of_pair[t * top_k + j] = e;
-        r.weight_of_pair[t * top_k + j] = r.norm ? p[i] / top_sum : p[i];
-        atomicAdd(&count[e], 1);
-      }
-      before += __popc(chosen);
-    }
+    route_token<kPerLane>([&](int e) { return ld(row + e); }, E, top_k, r.norm, [&](int j, int e, float weight) {
+      r.expert_of_pair[t * top_k + j] = e;
+      r.weight_of_pair[t * top_k + j] = weight;
+      atomicAdd(&count[e], 1);
+    });
   }
   __syncthreads();
 
@@ -142,8 +93,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16
     const int64_t pair = int64_t{t} * top_k + j;
     const float w = weight_of_pair[pair];
     const bf16* yr = y + pair * y_stride + c;
-    a += w * ld(yr);
-    if (c + 1 < cols) b += w * ld(yr + 1);
+    a = fmaf(w, ld(yr), a);
+    if (c + 1 < cols) b = fmaf(w, ld(yr + 1), b);
   }
   auto* o = reinterpret_cast<__nv_bfloat16*>(out + t * out_stride + c);
   o[0] = __float2bfloat16(a);

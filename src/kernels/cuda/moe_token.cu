@@ -1,0 +1,303 @@
+// The routed MLP of a single token (decode at batch 1), in two kernels after the router product
+// instead of five kernels after it (RMSNorm, routing, gate/up, down, combine):
+//  - gate/up: each block normalizes the token's row itself (before its wait: the router product
+//    before it waited for the residual stream), routes the token from its router logits, then
+//    streams its expert's gate and up rows for 16 features;
+//  - down: each block routes the token again, before its wait (the logits are complete once the
+//    gate/up kernel has released it), requests its first weights, then streams the rows of its 16
+//    output features of every chosen expert and adds the experts' outputs in increasing index.
+// The products use skinny_gemm.cu's operand layout and reduction order (warp j sums chunks j,
+// j + 8, ...; the warps' partial sums added in warp order), the routing moe_math.cuh's and the
+// weighted sum moe.cu's combine order, so the result is bit-identical to launch_moe_route +
+// launch_skinny_gemm_routed + launch_moe_combine (H100 numbers in bench/results/README.md).
+#include <cuda_bf16.h>
+
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/moe_math.cuh"
+#include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/row_norm.cuh"
+
+namespace dflash::cuda {
+namespace {
+
+constexpr int kWarps = 8;   // warps per block, splitting K
+constexpr int kChunk = 32;  // k per chunk
+static_assert(kWarps * 32 == kRowThreads, "norm_row needs the whole block");
+
+// The token's chosen experts in increasing index, and their weights.
+struct TokenRoute {
+  int expert[kMoeTokenMaxTopK];
+  float weight[kMoeTokenMaxTopK];
+};
+
+// Warp 0 routes the token into `route` (the caller syncs the block). The logits are read
+// through L2: the down kernel reads them before its wait.
+template <int kPerLane>
+__device__ void route_one(const bf16* logits, const MoeTokenArgs& a, TokenRoute& route) {
+  if (threadIdx.x >= 32) return;
+  const auto* l = reinterpret_cast<const unsigned short*>(logits);
+  route_token<kPerLane>([&](int e) { return __bfloat162float(__ushort_as_bfloat16(__ldcg(l + e))); }, a.n_experts,
+                        a.top_k, a.norm_topk_prob, [&](int j, int e, float weight) {
+                          route.expert[j] = e;
+                          route.weight[j] = weight;
+                        });
+}
+
+// Normalized rows in shared memory are padded by 16 bytes (fewer bank conflicts).
+__host__ __device__ constexpr int64_t padded(int64_t k) { return k + 8; }
+
+// The 16-byte operand pieces of one k chunk for the mma (skinny_gemm.cu's layout): lane (g, q)
+// holds k q*8 .. q*8+7 of weight rows g and g + 8, and of token g (only token 0 exists here).
+__device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4& lo, const uint4& hi, const uint4& b) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    mma_bf16(acc, s ? lo.z : lo.x, s ? hi.z : hi.x, s ? lo.w : lo.y, s ? hi.w : hi.y, s ? b.z : b.x, s ? b.w : b.y);
+}
+
+// Gate/up: block (x, j) computes features [16 x, 16 x + 16) of silu(gate) * up for the token's
+// j-th chosen expert into act row j. Weights [gate; up] of N rows each per expert, w_step apart.
+constexpr int kGateUpStages = 4;  // 64 KiB of ring a block: three blocks an SM
+using GateUpStage = uint4[2][16][4];
+template <int kPerLane, typename R>
+__global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNorm norm, int K, const bf16* logits,
+                                                                         MoeTokenArgs a, const bf16* __restrict__ w,
+                                                                         int64_t w_stride, int64_t w_step, int N,
+                                                                         bf16* __restrict__ act, int64_t act_stride,
+                                                                         bf16* __restrict__ h_out) {
+  constexpr int S = kGateUpStages;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ TokenRoute route;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  GateUpStage* ring = reinterpret_cast<GateUpStage*>(smem_raw) + warp * S;
+  bf16* row = reinterpret_cast<bf16*>(smem_raw + sizeof(GateUpStage) * S * kWarps);
+
+  // The residual stream and delta are complete: the router product waited for them before it
+  // released this kernel.
+  auto store = [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(row + 8 * i) = y; };
+  const R* res = static_cast<const R*>(norm.residual);
+  if (norm.delta) norm_row<true>(res, norm.delta, static_cast<R*>(nullptr), norm.weight, norm.eps, K, store);
+  else norm_row<false>(res, nullptr, static_cast<R*>(nullptr), norm.weight, norm.eps, K, store);
+  pdl_begin();
+  route_one<kPerLane>(logits, a, route);
+  __syncthreads();  // the route and the row
+  const bool first_block = blockIdx.x == 0 && blockIdx.y == 0;
+  if (first_block && h_out)
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x)
+      reinterpret_cast<uint4*>(h_out)[i] = reinterpret_cast<const uint4*>(row)[i];
+  if (first_block && a.expert_rows && warp == 0)
+    for (int e = lane; e < a.n_experts; e += 32) {
+      int chosen = 0;
+      for (int j = 0; j < a.top_k; ++j) chosen |= route.expert[j] == e;
+      a.expert_rows[e] = chosen;
+    }
+
+  const int j = blockIdx.y;
+  const bf16* we = w + route.expert[j] * w_step;
+  const int64_t n0 = int64_t{blockIdx.x} * 16;
+  const int n_chunks = (K + kChunk - 1) / kChunk;
+  const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
+  auto issue = [&](int i) {
+    if (i < n_mine) {
+      const int k0 = (warp + i * kWarps) * kChunk;
+#pragma unroll
+      for (int p4 = 0; p4 < 4; ++p4) {
+        const int p = lane + 32 * p4, rt = p / 64, r = p / 4 % 16, part = p % 4;
+        const int64_t f = n0 + r;
+        const int k = k0 + part * 8;
+        const bool ok = f < N && k < K;
+        cp_async16_hint<128>(&ring[i % S][rt][r][part], ok ? we + (rt ? N + f : f) * w_stride + k : we, ok);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < S; ++i) issue(i);
+
+  float acc[2][4] = {};
+  for (int i = 0; i < n_mine; ++i) {
+    cp_async_wait<S - 1>();
+    __syncwarp();
+    const GateUpStage& st = ring[i % S];
+    const uint4 g_lo = st[0][g][q], g_hi = st[0][g + 8][q], u_lo = st[1][g][q], u_hi = st[1][g + 8][q];
+    const int k = (warp + i * kWarps) * kChunk + q * 8;
+    const uint4 xv = g == 0 && k < K ? *reinterpret_cast<const uint4*>(row + k) : uint4{};
+    __syncwarp();  // every lane has read the stage before it is refilled
+    issue(i + S);
+    mma_chunk(acc[0], g_lo, g_hi, xv);
+    mma_chunk(acc[1], u_lo, u_hi, xv);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the reduction
+  auto& red = *reinterpret_cast<float(*)[kWarps][2][4][32]>(smem_raw);
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][t][i][lane] = acc[t][i];
+  __syncthreads();
+  // Token 0's values: lanes l with l % 4 == 0, accumulators 0 (feature l / 4) and 2 (l / 4 + 8).
+  if (threadIdx.x < 16) {
+    const int f = threadIdx.x, l = 4 * (f % 8), i = f < 8 ? 0 : 2;
+    const int64_t feature = n0 + f;
+    if (feature < N) {
+      float gate = 0.0f, up = 0.0f;
+#pragma unroll
+      for (int ww = 0; ww < kWarps; ++ww) gate += red[ww][0][i][l];
+#pragma unroll
+      for (int ww = 0; ww < kWarps; ++ww) up += red[ww][1][i][l];
+      const float y = gate / (1.0f + expf(-gate)) * up;  // float32 gate and up, rounded once
+      reinterpret_cast<__nv_bfloat16*>(act)[j * act_stride + feature] = __float2bfloat16(y);
+    }
+  }
+}
+
+// Down and the weighted sum: block x computes output features [16 x, 16 x + 16) of the sum over
+// the token's chosen experts j (increasing index) of weight_j * bf16(act_j * down_j^T), K = the
+// experts' width. A warp streams its chunks of every expert in turn through one ring.
+// 16 stages (128 KiB of ring, one block an SM) leave room for the next layer's q/k/v product to
+// request its weights beside it; 8 or 24 stages were slower (bench/results/README.md).
+constexpr int kDownStages = 16;
+using DownStage = uint4[16][4];
+template <int kPerLane>
+__global__ void __launch_bounds__(kWarps * 32) moe_token_down_kernel(const bf16* logits, MoeTokenArgs a,
+                                                                      const bf16* __restrict__ act, int64_t act_stride,
+                                                                      int K, const bf16* __restrict__ w,
+                                                                      int64_t w_stride, int64_t w_step, int N,
+                                                                      bf16* __restrict__ out) {
+  constexpr int S = kDownStages;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ TokenRoute route;
+  __shared__ float red[kWarps][kMoeTokenMaxTopK][16];  // token 0's partial sums
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  DownStage* ring = reinterpret_cast<DownStage*>(smem_raw) + warp * S;
+  bf16* rows = reinterpret_cast<bf16*>(smem_raw + sizeof(DownStage) * S * kWarps);  // [top_k][padded(K)]
+  const int top_k = a.top_k;
+
+  // The router product is complete: the gate/up kernel waited for it before it released this one.
+  route_one<kPerLane>(logits, a, route);
+  for (int i = threadIdx.x; i < kWarps * kMoeTokenMaxTopK * 16; i += blockDim.x) (&red[0][0][0])[i] = 0.0f;
+  __syncthreads();
+
+  const int64_t n0 = int64_t{blockIdx.x} * 16;
+  const int n_chunks = (K + kChunk - 1) / kChunk;
+  const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;
+  const int n_seq = n_mine * top_k;  // chunk i of expert j is step j * n_mine + i
+  auto issue = [&](int c) {
+    if (c < n_seq) {
+      const int j = c / n_mine, k0 = (warp + (c % n_mine) * kWarps) * kChunk;
+      const bf16* we = w + route.expert[j] * w_step;
+#pragma unroll
+      for (int p2 = 0; p2 < 2; ++p2) {
+        const int p = lane + 32 * p2, r = p / 4, part = p % 4;
+        const int64_t f = n0 + r;
+        const int k = k0 + part * 8;
+        const bool ok = f < N && k < K;
+        cp_async16_hint<128>(&ring[c % S][r][part], ok ? we + f * w_stride + k : we, ok);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int c = 0; c < S; ++c) issue(c);
+  pdl_begin();
+  // The experts' activations (the gate/up kernel's output) into shared memory.
+  const int pieces = K / 8;
+  for (int i = threadIdx.x; i < top_k * pieces; i += blockDim.x) {
+    const int j = i / pieces, p = i % pieces;
+    *reinterpret_cast<uint4*>(rows + j * padded(K) + 8 * p) =
+        *reinterpret_cast<const uint4*>(act + j * act_stride + 8 * p);
+  }
+  __syncthreads();
+
+  float acc[4] = {};
+  for (int c = 0; c < n_seq; ++c) {
+    cp_async_wait<S - 1>();
+    __syncwarp();
+    const DownStage& st = ring[c % S];
+    const uint4 lo = st[g][q], hi = st[g + 8][q];
+    const int j = c / n_mine, i = c % n_mine;
+    const int k = (warp + i * kWarps) * kChunk + q * 8;
+    const uint4 xv = g == 0 && k < K ? *reinterpret_cast<const uint4*>(rows + j * padded(K) + k) : uint4{};
+    __syncwarp();
+    issue(c + S);
+    mma_chunk(acc, lo, hi, xv);
+    if (i == n_mine - 1) {  // expert j done: token 0's sums (lanes with q == 0) to the reduction
+      if (q == 0) red[warp][j][g] = acc[0], red[warp][j][g + 8] = acc[2];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] = 0.0f;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int f = threadIdx.x;
+    const int64_t feature = n0 + f;
+    if (feature < N) {
+      float sum = 0.0f;
+      for (int j = 0; j < top_k; ++j) {
+        float y = 0.0f;
+#pragma unroll
+        for (int ww = 0; ww < kWarps; ++ww) y += red[ww][j][f];
+        sum = fmaf(route.weight[j], round_bf(y), sum);  // the expert's output in bf16, as the combine reads it
+      }
+      reinterpret_cast<__nv_bfloat16*>(out)[feature] = __float2bfloat16(sum);
+    }
+  }
+}
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, std::atomic<uint64_t>& configured, size_t bytes) {
+  once_per_device(configured, [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  });
+}
+
+constexpr size_t kMaxSmem = 200 * 1024;
+size_t gate_up_smem(int64_t k) { return sizeof(GateUpStage) * kGateUpStages * kWarps + sizeof(bf16) * padded(k); }
+size_t down_smem(int top_k, int64_t ff) {
+  return sizeof(DownStage) * kDownStages * kWarps + sizeof(bf16) * top_k * padded(ff);
+}
+
+template <int kPerLane>
+void launch_per_lane(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a, const Mat& gate_up, const Mat& down,
+                     Mat act, Mat h_out, Mat out, cudaStream_t s) {
+  const int64_t k = gate_up.cols, ff = down.cols;
+  auto gu = n.f32 ? moe_token_gate_up_kernel<kPerLane, float> : moe_token_gate_up_kernel<kPerLane, bf16>;
+  static std::atomic<uint64_t> gu_configured{0}, gu_f32_configured{0}, down_configured{0};
+  allow_smem(gu, n.f32 ? gu_f32_configured : gu_configured, kMaxSmem);
+  const unsigned blocks = static_cast<unsigned>((ff + 15) / 16);
+  launch_smem(gu, dim3(blocks, static_cast<unsigned>(a.top_k)), kWarps * 32, gate_up_smem(k), s, n,
+              static_cast<int>(k), logits.data, a, gate_up.data, gate_up.stride, a.gate_up_step,
+              static_cast<int>(ff), act.data, act.stride, h_out.data);
+  auto dn = moe_token_down_kernel<kPerLane>;
+  allow_smem(dn, down_configured, kMaxSmem);
+  launch_smem(dn, dim3(static_cast<unsigned>((down.rows + 15) / 16)), kWarps * 32, down_smem(a.top_k, ff), s,
+              logits.data, a, act.data, act.stride, static_cast<int>(ff), down.data, down.stride, a.down_step,
+              static_cast<int>(down.rows), out.data);
+}
+
+}  // namespace
+
+bool moe_token_supported(const RowNorm& n, const Mat& gate_up, const Mat& down, int n_experts, int top_k) {
+  const int64_t k = gate_up.cols, ff = down.cols;
+  if (!n.residual || top_k < 1 || top_k > kMoeTokenMaxTopK || n_experts < top_k || n_experts > kMoeMaxExperts)
+    return false;
+  if (down.rows != k || ff % 8 != 0 || gate_up.stride % 8 != 0 || down.stride % 8 != 0 || !aligned16(gate_up.data) ||
+      !aligned16(down.data))
+    return false;
+  if (!rows_fit_registers(k, {}, {n.residual, n.delta, n.weight})) return false;
+  return gate_up_smem(k) <= kMaxSmem && down_smem(top_k, ff) <= kMaxSmem;
+}
+
+void launch_moe_token(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a, const Mat& gate_up, const Mat& down,
+                      Mat act, Mat h_out, Mat out, cudaStream_t s) {
+  RowNorm in = n;
+  in.residual_out = nullptr;  // the router product stores residual + delta
+  const int e = a.n_experts;
+  if (e <= 128) launch_per_lane<4>(in, logits, a, gate_up, down, act, h_out, out, s);
+  else if (e <= 256) launch_per_lane<8>(in, logits, a, gate_up, down, act, h_out, out, s);
+  else if (e <= 512) launch_per_lane<16>(in, logits, a, gate_up, down, act, h_out, out, s);
+  else launch_per_lane<32>(in, logits, a, gate_up, down, act, h_out, out, s);
+}
+
+}  // namespace dflash::cuda

@@ -5,7 +5,6 @@
 // (moe_token.cu). No host round trip, fixed launch shapes: capturable in a graph.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include "kernels/cuda/cuda_backend.h"
 
@@ -68,8 +67,8 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   });
 }
 
-// One token (decode at batch 1): three kernels instead of the RMSNorm and six (H100, 30B-A3B
-// shape: bench/results/README.md); other shapes take the steps.
+// One token (decode at batch 1): three kernels instead of six (H100, 30B-A3B shape, plain batch
+// 1: 3.53 -> 3.32 ms a step); other shapes take the steps.
 void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
                            MoeScratch* scratch) {
   const RowNorm rn = row_norm(n);
@@ -81,7 +80,7 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
                          w.gate_up.dtype == DType::BF16 && w.down.dtype == DType::BF16 && w.router.cols == hidden &&
                          skinny_gemm_norm_supported(rn, 1, mat(w.router), false, props_.multiProcessorCount) &&
                          moe_token_supported(rn, gate_up, down, w.n_experts, w.top_k) &&
-                         (!scratch || scratch->act.rows >= w.top_k) && !std::getenv("DFLASH_AB_MOE_STEPS");
+                         (!scratch || scratch->act.rows >= w.top_k);
   if (!one_token) return Backend::norm_moe(n, h, w, out, expert_rows, scratch);
   check_moe(h, w, out, expert_rows);
   require_bf16(out, "moe output");

@@ -925,7 +925,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
 // expert's weight by up to 1.6%, and a row by up to about 5% measured; a bound against gross
 // errors), per token where the router's k-th and (k+1)-th logits
 // are far enough apart that both choose the same experts; rows bit-identical alone, in a 3-row
-// batch and in the whole batch on a batch-invariant backend; a graph replay gives the direct call's bits.
+// batch and in the whole batch on a batch-invariant backend; a graph replay gives the direct call's
+// bits. Wide steps (the last two) take the tile products.
 TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
   struct Case {
     int m, h, n_experts, top_k, ff;
@@ -934,7 +935,10 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
   auto bf = [](double v) { return static_cast<double>(bf16_to_f32(f32_to_bf16(static_cast<float>(v)))); };
   for (const Case c : {Case{1, 64, 8, 2, 48, true}, Case{13, 48, 6, 3, 40, false}, Case{40, 64, 8, 2, 48, true},
                        Case{1, 2048, 128, 8, 768, true}, Case{16, 2048, 128, 8, 768, true},
-                       Case{130, 2048, 128, 8, 768, false}}) {
+                       Case{130, 2048, 128, 8, 768, false}, Case{300, 264, 16, 4, 200, true},
+                       Case{520, 512, 32, 4, 256, false}}) {
+    // 32 or more pairs an expert on average: the tile products (moe_gemm.cu), unless batch-invariant.
+    const bool wide = c.m * c.top_k >= 32 * c.n_experts;
     const std::string what = std::to_string(c.m) + " rows, top " + std::to_string(c.top_k) + " of " +
                              std::to_string(c.n_experts) + ", h " + std::to_string(c.h);
     const float router_scale = 6.0f / std::sqrt(static_cast<float>(c.h));
@@ -1057,6 +1061,10 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
     wi.down = inv->upload_host(down.host.data(), down.g.rows, down.g.cols);
     Tensor xi = inv->upload_host(x.host.data(), c.m, c.h), whole = inv->alloc(c.m, c.h);
     inv->moe(xi, wi, whole);
+    // The tile products sum in another k order than the skinny kernel: some bits differ.
+    if (wide) {
+      EXPECT_NE(inv->to_host(whole), gpu->to_host(out.g)) << what << ": the tile products did not run";
+    }
     for (int r : {0, c.m / 2, c.m - 1}) {
       Tensor one = inv->alloc(1, c.h);
       inv->moe(xi.slice_rows(r, 1), wi, one);

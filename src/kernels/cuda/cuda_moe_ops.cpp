@@ -10,6 +10,9 @@
 
 namespace dflash::cuda {
 
+// Pairs an expert gets on average from which a step takes the tile products (moe_gemm.cu).
+constexpr int kMoeWideMinPairs = 32;
+
 void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows, MoeScratch* scratch) {
   check_moe(x, w, out, expert_rows);
   require_bf16(x, "moe input");
@@ -27,8 +30,10 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   Tensor logits = alloc(m, w.n_experts);
   matmul(x, w.router, nullptr, logits);
   // A token takes an expert at most once, so an expert has at most m pairs: the tile needs no
-  // more rows than that.
-  const int tile = m <= 8 ? 8 : m <= 16 ? 16 : 32;
+  // more rows than that. Wide steps (prefill: 32 or more pairs an expert on average) take the tile
+  // products, whose bits differ from the skinny form's: never with --batch-invariant.
+  const bool wide = !options_.batch_invariant && pairs >= int64_t{kMoeWideMinPairs} * w.n_experts;
+  const int tile = wide ? kMoeGemmPairs : m <= 8 ? 8 : m <= 16 ? 16 : 32;
   const int max_items = static_cast<int>(std::min<int64_t>(w.n_experts, pairs) + (pairs + tile - 1) / tile);
   Tensor expert_of_pair = alloc_as(pairs, 1, DType::I32), weight_of_pair = alloc_as(pairs, 1, DType::F32);
   Tensor pair_list = alloc_as(pairs, 1, DType::I32), items = alloc_as(max_items, 3, DType::I32);
@@ -48,6 +53,19 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   Tensor y = scratch ? scratch->y.slice_rows(0, pairs) : alloc(pairs, h);
   RoutedRows rows{i32(items), i32(n_items), i32(pair_list), i32(next_units), w.top_k, 2 * ff * w.gate_up.stride};
   const Mat gate_up{static_cast<bf16*>(w.gate_up.data), 2 * ff, h, w.gate_up.stride};  // expert 0's
+  const Mat down{static_cast<bf16*>(w.down.data), h, ff, w.down.stride};
+  auto combine = [&] {
+    staging_.launch([&](cudaStream_t s) {
+      launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);
+    });
+  };
+  if (wide) {
+    staging_.launch([&](cudaStream_t s) { launch_moe_gemm(mat(x), gate_up, mat(act), rows, true, max_items, s); });
+    rows.x_div = 1;
+    rows.w_step = h * w.down.stride;
+    staging_.launch([&](cudaStream_t s) { launch_moe_gemm(mat(act), down, mat(y), rows, false, max_items, s); });
+    return combine();
+  }
   staging_.launch([&](cudaStream_t s) {
     launch_skinny_gemm_routed(mat(x), gate_up, mat(act), rows, /*swiglu=*/true, tile, max_items, s);
   });
@@ -58,13 +76,10 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   rows.x_div = 1;
   rows.w_step = h * w.down.stride;
   rows.items_ready = true;
-  const Mat down{static_cast<bf16*>(w.down.data), h, ff, w.down.stride};
   staging_.launch([&](cudaStream_t s) {
     launch_skinny_gemm_routed(mat(act), down, mat(y), rows, /*swiglu=*/false, tile, max_items, s);
   });
-  staging_.launch([&](cudaStream_t s) {
-    launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);
-  });
+  combine();
 }
 
 // One token (decode at batch 1): three kernels instead of six (H100, 30B-A3B shape, plain batch

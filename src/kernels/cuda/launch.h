@@ -144,11 +144,18 @@ struct RoutedRows {
 void launch_skinny_gemm_routed(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu,
                                int tile_rows, int max_items, cudaStream_t s);
 
+// The same products for a wide step (moe_gemm.cu): one tile product per item of up to
+// kMoeGemmPairs pairs (the routing's items at that tile size), each expert's weights read once an
+// item; a pair's result does not depend on the others but its bits differ from the skinny form's.
+constexpr int kMoeGemmPairs = 128;
+void launch_moe_gemm(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu, int max_items,
+                     cudaStream_t s);
+
 // Where the routing of a mixture-of-experts layer goes (launch_moe_route) and its settings.
 struct MoeRouting {
   int top_k = 0;
   bool norm = false;  // norm_topk_prob
-  int tile_rows = 8;  // pairs of a work item: 8, 16 or 32
+  int tile_rows = 8;  // pairs of a work item: 8, 16 or 32 (skinny), kMoeGemmPairs (tile products)
   int32_t* expert_of_pair = nullptr;
   float* weight_of_pair = nullptr;
   int32_t* pairs = nullptr;

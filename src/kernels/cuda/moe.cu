@@ -17,27 +17,47 @@
 namespace dflash::cuda {
 namespace {
 
-// One block routes the M rows of logits [M, E], a warp a token. kPerLane: experts a lane looks
-// after (E <= 32 * kPerLane).
+// A warp routes token t: pair j of the token is its j-th chosen expert in increasing index (the
+// order of the sum in the combine). count (optional): each chosen expert's pairs, in shared memory.
+template <int kPerLane>
+__device__ __forceinline__ void route_row(const bf16* logits, int64_t stride, int t, int E, const MoeRouting& r,
+                                          int* count) {
+  const bf16* row = logits + t * stride;
+  route_token<kPerLane>([&](int e) { return ld(row + e); }, E, r.top_k, r.norm, [&](int j, int e, float weight) {
+    r.expert_of_pair[t * r.top_k + j] = e;
+    r.weight_of_pair[t * r.top_k + j] = weight;
+    if (count) atomicAdd(&count[e], 1);
+  });
+}
+
+// Many tokens (prefill): a warp a token over as many blocks as it takes, before the one-block
+// grouping below (one block routing 2048 tokens took 214 us on an H200).
+constexpr int kRouteRowWarps = 8;
+template <int kPerLane>
+__global__ void __launch_bounds__(kRouteRowWarps * 32) moe_route_rows_kernel(const bf16* __restrict__ logits,
+                                                                            int64_t stride, int M, int E,
+                                                                            MoeRouting r) {
+  pdl_begin();
+  const int t = blockIdx.x * kRouteRowWarps + threadIdx.x / 32;
+  if (t < M) route_row<kPerLane>(logits, stride, t, E, r, nullptr);
+}
+
+// One block routes the M rows of logits [M, E], a warp a token (routed: moe_route_rows_kernel
+// did, the block only counts each expert's pairs), then groups the pairs. kPerLane: experts a
+// lane looks after (E <= 32 * kPerLane).
 template <int kPerLane>
 __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict__ logits, int64_t stride, int M,
-                                                         int E, MoeRouting r) {
+                                                         int E, MoeRouting r, bool routed) {
   __shared__ int count[kMoeMaxExperts], first[kMoeMaxExperts], first_item[kMoeMaxExperts];
   pdl_begin();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
   const int top_k = r.top_k;
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
-
-  // A warp per token; pair j of the token is its j-th chosen expert in increasing index (the
-  // order of the sum in the combine).
-  for (int t = warp; t < M; t += n_warps) {
-    const bf16* row = logits + t * stride;
-    route_token<kPerLane>([&](int e) { return ld(row + e); }, E, top_k, r.norm, [&](int j, int e, float weight) {
-      r.expert_of_pair[t * top_k + j] = e;
-      r.weight_of_pair[t * top_k + j] = weight;
-      atomicAdd(&count[e], 1);
-    });
+  if (routed) {
+    for (int p = threadIdx.x; p < M * top_k; p += blockDim.x) atomicAdd(&count[r.expert_of_pair[p]], 1);
+  } else {
+    for (int t = warp; t < M; t += n_warps) route_row<kPerLane>(logits, stride, t, E, r, count);
   }
   __syncthreads();
 
@@ -104,14 +124,21 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16
 }  // namespace
 
 void launch_moe_route(const Mat& logits, const MoeRouting& r, cudaStream_t s) {
-  // A warp a token, up to 32 warps; the fewest experts a lane that cover E.
+  // A warp a token, up to 32 warps; the fewest experts a lane that cover E. More than 128 tokens:
+  // the tokens first, a warp each over many blocks.
   const int m = static_cast<int>(logits.rows), e = static_cast<int>(logits.cols);
+  const bool rows_first = m > 128;
   const dim3 threads(32 * std::min(32, std::max(4, m)));
-  auto go = [&](auto kernel) { launch(kernel, dim3(1), threads, s, logits.data, logits.stride, m, e, r); };
-  if (e <= 128) go(moe_route_kernel<4>);
-  else if (e <= 256) go(moe_route_kernel<8>);
-  else if (e <= 512) go(moe_route_kernel<16>);
-  else go(moe_route_kernel<32>);
+  auto go = [&](auto rows_kernel, auto kernel) {
+    if (rows_first)
+      launch(rows_kernel, dim3((m + kRouteRowWarps - 1) / kRouteRowWarps), dim3(kRouteRowWarps * 32), s, logits.data,
+             logits.stride, m, e, r);
+    launch(kernel, dim3(1), threads, s, logits.data, logits.stride, m, e, r, rows_first);
+  };
+  if (e <= 128) go(moe_route_rows_kernel<4>, moe_route_kernel<4>);
+  else if (e <= 256) go(moe_route_rows_kernel<8>, moe_route_kernel<8>);
+  else if (e <= 512) go(moe_route_rows_kernel<16>, moe_route_kernel<16>);
+  else go(moe_route_rows_kernel<32>, moe_route_kernel<32>);
 }
 
 void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s) {

@@ -936,7 +936,7 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
   for (const Case c : {Case{1, 64, 8, 2, 48, true}, Case{13, 48, 6, 3, 40, false}, Case{40, 64, 8, 2, 48, true},
                        Case{1, 2048, 128, 8, 768, true}, Case{16, 2048, 128, 8, 768, true},
                        Case{130, 2048, 128, 8, 768, false}, Case{300, 264, 16, 4, 200, true},
-                       Case{520, 512, 32, 4, 256, false}}) {
+                       Case{520, 512, 32, 4, 256, false}, Case{600, 128, 4, 2, 64, true}}) {
     // 32 or more pairs an expert on average: the tile products (moe_gemm.cu), unless batch-invariant.
     const bool wide = c.m * c.top_k >= 32 * c.n_experts;
     const std::string what = std::to_string(c.m) + " rows, top " + std::to_string(c.top_k) + " of " +
@@ -1061,9 +1061,27 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
     wi.down = inv->upload_host(down.host.data(), down.g.rows, down.g.cols);
     Tensor xi = inv->upload_host(x.host.data(), c.m, c.h), whole = inv->alloc(c.m, c.h);
     inv->moe(xi, wi, whole);
-    // The tile products sum in another k order than the skinny kernel: some bits differ.
     if (wide) {
-      EXPECT_NE(inv->to_host(whole), gpu->to_host(out.g)) << what << ": the tile products did not run";
+      // The skinny kernel's routed form on the same logits: close, but the tile products sum in
+      // another k order, so some bits differ (they would not if the tile products had not run).
+      cuda::KernelForms skinny;
+      skinny.routed_tiles = cuda::KernelForms::RoutedTiles::never;
+      cuda::force_kernel_forms(*gpu, skinny);
+      Tensor narrow = gpu->alloc(c.m, c.h);
+      gpu->moe(x.g, wg, narrow);
+      cuda::force_kernel_forms(*gpu, {});
+      const auto nh = gpu->to_host(narrow);
+      EXPECT_NE(nh, gh) << what << ": the tile products did not run";
+      EXPECT_LE(test::rel_l2_error(gh, nh), 1e-2) << what << ": tile products against the skinny form";
+      // A row keeps its bits when every other row changes (and with them the experts' items).
+      const int keep = c.m / 2;
+      auto other = random(c.m, c.h);
+      std::copy(x.host.begin() + int64_t{keep} * c.h, x.host.begin() + int64_t{keep + 1} * c.h,
+                other.host.begin() + int64_t{keep} * c.h);
+      Tensor other_g = gpu->upload_host(other.host.data(), c.m, c.h), other_out = gpu->alloc(c.m, c.h);
+      gpu->moe(other_g, wg, other_out);
+      EXPECT_EQ(gpu->to_host(other_out.slice_rows(keep, 1)), gpu->to_host(out.g.slice_rows(keep, 1)))
+          << what << ": row " << keep << " among other rows";
     }
     for (int r : {0, c.m / 2, c.m - 1}) {
       Tensor one = inv->alloc(1, c.h);
@@ -1097,7 +1115,7 @@ TEST_F(CudaOps, NormMoeOfOneTokenGivesTheStepsBits) {
   };
   for (const Case c : {Case{2048, 128, 8, 768, true, true, true}, Case{64, 8, 2, 48, false, false, true},
                        Case{256, 300, 5, 40, true, true, false}, Case{512, 16, 8, 264, false, true, true},
-                       Case{1024, 600, 4, 128, true, false, true}}) {
+                       Case{1024, 600, 4, 128, true, false, true}, Case{200, 24, 3, 56, true, true, true}}) {
     const std::string what = "top " + std::to_string(c.top_k) + " of " + std::to_string(c.n_experts) + ", h " +
                              std::to_string(c.h) + ", ff " + std::to_string(c.ff) + (c.f32 ? ", f32" : ", bf16") +
                              (c.with_delta ? " residual + delta" : " residual");
@@ -1150,6 +1168,11 @@ TEST_F(CudaOps, NormMoeOfOneTokenGivesTheStepsBits) {
         auto graph = gpu->capture_graph([&] { run(true, rr, dr, ro3, h3, out3, nullptr, nullptr); });
         gpu->replay_graph(graph);
         EXPECT_EQ(gpu->to_host(out3), gpu->to_host(out1)) << row << ": graph replay";
+        // Output over its own delta, as the decoder calls it.
+        Tensor d4 = gpu->alloc(1, c.h), ro4 = residual(1), h4 = gpu->alloc(1, c.h);
+        gpu->copy_rows(dr, d4);
+        run(true, rr, d4, ro4, h4, d4, nullptr, nullptr);
+        EXPECT_EQ(gpu->to_host(d4), gpu->to_host(out1)) << row << ": output over the delta";
       }
     }
   }

@@ -32,9 +32,11 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   // A token takes an expert at most once, so an expert has at most m pairs: the tile needs no
   // more rows than that. Wide steps (prefill: 32 or more pairs an expert on average) take the tile
   // products, whose bits differ from the skinny form's: never with --batch-invariant.
-  const bool wide = !options_.batch_invariant && pairs >= int64_t{kMoeWideMinPairs} * w.n_experts;
+  auto items_of = [&](int64_t tile) { return std::min<int64_t>(w.n_experts, pairs) + (pairs + tile - 1) / tile; };
+  const bool wide = !options_.batch_invariant && forms_.routed_tiles == KernelForms::RoutedTiles::by_rule &&
+                    pairs >= int64_t{kMoeWideMinPairs} * w.n_experts && items_of(kMoeGemmPairs) <= 65535;
   const int tile = wide ? kMoeGemmPairs : m <= 8 ? 8 : m <= 16 ? 16 : 32;
-  const int max_items = static_cast<int>(std::min<int64_t>(w.n_experts, pairs) + (pairs + tile - 1) / tile);
+  const int max_items = static_cast<int>(items_of(tile));
   Tensor expert_of_pair = alloc_as(pairs, 1, DType::I32), weight_of_pair = alloc_as(pairs, 1, DType::F32);
   Tensor pair_list = alloc_as(pairs, 1, DType::I32), items = alloc_as(max_items, 3, DType::I32);
   Tensor n_items = alloc_as(1, 1, DType::I32), next_units = alloc_as(2, 1, DType::I32);
@@ -95,12 +97,14 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
                          w.gate_up.dtype == DType::BF16 && w.down.dtype == DType::BF16 && w.router.cols == hidden &&
                          skinny_gemm_norm_supported(rn, 1, mat(w.router), false, props_.multiProcessorCount) &&
                          moe_token_supported(rn, gate_up, down, w.n_experts, w.top_k) &&
-                         (!scratch || scratch->act.rows >= w.top_k);
+                         reinterpret_cast<uintptr_t>(h.data) % 16 == 0 &&
+                         (!scratch || (scratch->act.rows >= w.top_k && scratch->act.cols == ff &&
+                                       scratch->act.stride % 8 == 0 &&
+                                       reinterpret_cast<uintptr_t>(scratch->act.data) % 16 == 0));
   if (!one_token) return Backend::norm_moe(n, h, w, out, expert_rows, scratch);
   check_moe(h, w, out, expert_rows);
   require_bf16(out, "moe output");
   check(!expert_rows || expert_rows->stride == 1, "cuda backend: expert_rows must be contiguous");
-  check(reinterpret_cast<uintptr_t>(h.data) % 16 == 0, "cuda backend: moe of one token needs a 16-byte aligned row");
 
   Tensor logits = alloc(1, w.n_experts);
   staging_.launch([&](cudaStream_t s) {

@@ -21,6 +21,9 @@ struct KernelForms {
   // Skinny products over a few thousand weight rows: wide blocks (one per SM, several row tiles
   // each) or the usual ones. Rule: wide at more than 8 token rows; any_rows: at any number.
   enum class Wide { by_rule, never, any_rows } skinny_wide = Wide::by_rule;
+  // Routed (MoE) products: tile products (moe_gemm.cu) or the skinny kernel's routed form. Rule:
+  // tiles where a step's pairs average 32 or more an expert, unless batch-invariant.
+  enum class RoutedTiles { by_rule, never } routed_tiles = RoutedTiles::by_rule;
 };
 
 // Sets the forms of a backend made by make_cuda_backend (tests). Throws Error for any other

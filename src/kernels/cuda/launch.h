@@ -169,8 +169,8 @@ struct MoeRouting {
 // pair token * top_k + j takes the token's j-th chosen expert in increasing index:
 // expert_of_pair, weight_of_pair. Then the pairs grouped by expert (pairs), their work items of
 // up to tile_rows pairs (items, n_items: see RoutedRows) and expert_rows[e] = pairs of expert e;
-// next_units[0] and [1] (the routed products' unit counters) set to 0. One block; E <=
-// kMoeMaxExperts, top_k <= 32.
+// next_units[0] and [1] (the routed products' unit counters) set to 0. One block (after a
+// kernel routing a warp a token over many blocks when M > 128); E <= kMoeMaxExperts, top_k <= 32.
 constexpr int kMoeMaxExperts = 1024;
 void launch_moe_route(const Mat& logits, const MoeRouting& r, cudaStream_t s);
 // out[t] = sum over j of weight_of_pair[t * top_k + j] * y[t * top_k + j], in j order, in float32.

@@ -1,6 +1,6 @@
 // Mixture-of-experts routing and combine (Backend::moe): the router's top-k per token, the
 // token/expert pairs grouped by expert into the work items of the routed products
-// (launch_skinny_gemm_routed), and the weighted sum of each token's expert outputs.
+// (launch_skinny_gemm_routed, launch_moe_gemm), and the weighted sum of each token's expert outputs.
 //
 // Within an expert the order of its pairs is whatever the atomics give: a pair's product never
 // depends on the other pairs of its tile (skinny_gemm.cu's reduction order), and each pair

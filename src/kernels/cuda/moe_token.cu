@@ -36,6 +36,10 @@ struct TokenRoute {
 template <int kPerLane>
 __device__ void route_one(const bf16* logits, const MoeTokenArgs& a, TokenRoute& route) {
   if (threadIdx.x >= 32) return;
+  // Non-finite logits choose fewer experts: the others stay expert 0 with weight 0, so that no
+  // block reads weights from an unset index.
+  if (threadIdx.x < kMoeTokenMaxTopK) route.expert[threadIdx.x] = 0, route.weight[threadIdx.x] = 0.0f;
+  __syncwarp();
   const auto* l = reinterpret_cast<const unsigned short*>(logits);
   route_token<kPerLane>([&](int e) { return __bfloat162float(__ushort_as_bfloat16(__ldcg(l + e))); }, a.n_experts,
                         a.top_k, a.norm_topk_prob, [&](int j, int e, float weight) {
@@ -286,7 +290,13 @@ bool moe_token_supported(const RowNorm& n, const Mat& gate_up, const Mat& down, 
       !aligned16(down.data))
     return false;
   if (!rows_fit_registers(k, {}, {n.residual, n.delta, n.weight})) return false;
-  return gate_up_smem(k) <= kMaxSmem && down_smem(top_k, ff) <= kMaxSmem;
+  static const size_t optin = [] {  // what the device gives a block (H100: 227 KiB)
+    int device = 0, bytes = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return static_cast<size_t>(bytes);
+  }();
+  return kMaxSmem <= optin && gate_up_smem(k) <= kMaxSmem && down_smem(top_k, ff) <= kMaxSmem;
 }
 
 void launch_moe_token(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a, const Mat& gate_up, const Mat& down,

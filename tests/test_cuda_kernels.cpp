@@ -67,6 +67,30 @@ class CudaOps : public ::testing::Test {
     const double err = test::rel_l2_error(gpu->to_host(p.g), cpu->to_host(p.c));
     EXPECT_LE(err, bound) << what;
   }
+  // Random routed-MLP weights on both backends: router logits of about 6 for unit inputs, each
+  // expert's output of its input's scale.
+  struct MoePairs {
+    Pair router, gate_up, down;
+    MoeWeights shape;  // everything but the tensors
+    MoeWeights on(bool on_gpu) const {
+      MoeWeights w = shape;
+      w.router = on_gpu ? router.g : router.c;
+      w.gate_up = on_gpu ? gate_up.g : gate_up.c;
+      w.down = on_gpu ? down.g : down.c;
+      return w;
+    }
+  };
+  MoePairs random_moe(int h, int n_experts, int top_k, int ff, bool norm) {
+    MoePairs m;
+    m.router = random(n_experts, h, 6.0f / std::sqrt(static_cast<float>(h)));
+    m.gate_up = random(int64_t{n_experts} * 2 * ff, h, 1.7f / std::sqrt(static_cast<float>(h)));
+    m.down = random(int64_t{n_experts} * h, ff, 1.7f / std::sqrt(static_cast<float>(ff)));
+    m.shape.n_experts = n_experts;
+    m.shape.top_k = top_k;
+    m.shape.n_ff = ff;
+    m.shape.norm_topk_prob = norm;
+    return m;
+  }
 
   std::unique_ptr<Backend> gpu, cpu;
   std::mt19937 rng;
@@ -941,8 +965,8 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
     const bool wide = c.m * c.top_k >= 32 * c.n_experts;
     const std::string what = std::to_string(c.m) + " rows, top " + std::to_string(c.top_k) + " of " +
                              std::to_string(c.n_experts) + ", h " + std::to_string(c.h);
-    const float router_scale = 6.0f / std::sqrt(static_cast<float>(c.h));
-    auto router = random(c.n_experts, c.h, router_scale);
+    const MoePairs moe = random_moe(c.h, c.n_experts, c.top_k, c.ff, c.norm);
+    const Pair &router = moe.router, &gate_up = moe.gate_up, &down = moe.down;
     // bf16 router logits of a row (what the GPU routes by), in float64 from the bf16 inputs.
     // The row's router logits rounded to bf16, and whether one of them lies within 1% of a bf16
     // step of a rounding midpoint (the GPU's float32 sum may then round it the other way: one
@@ -981,20 +1005,7 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
       if (clear >= (c.m + 1) / 2) break;
       ASSERT_LT(attempt, 20) << what << ": no inputs with clear routing";
     }
-    auto gate_up = random(int64_t{c.n_experts} * 2 * c.ff, c.h, 1.7f / std::sqrt(static_cast<float>(c.h)));
-    auto down = random(int64_t{c.n_experts} * c.h, c.ff, 1.7f / std::sqrt(static_cast<float>(c.ff)));
-    auto weights = [&](bool on_gpu) {
-      MoeWeights w;
-      w.n_experts = c.n_experts;
-      w.top_k = c.top_k;
-      w.n_ff = c.ff;
-      w.norm_topk_prob = c.norm;
-      w.router = on_gpu ? router.g : router.c;
-      w.gate_up = on_gpu ? gate_up.g : gate_up.c;
-      w.down = on_gpu ? down.g : down.c;
-      return w;
-    };
-    const MoeWeights wg = weights(true), wc = weights(false);
+    const MoeWeights wg = moe.on(true), wc = moe.on(false);
     auto out = poisoned(c.m, c.h);
     Tensor counts_g = gpu->alloc_ids(c.n_experts), counts_c = cpu->alloc_ids(c.n_experts);
     gpu->moe(x.g, wg, out.g, &counts_g);
@@ -1119,17 +1130,8 @@ TEST_F(CudaOps, NormMoeOfOneTokenGivesTheStepsBits) {
     const std::string what = "top " + std::to_string(c.top_k) + " of " + std::to_string(c.n_experts) + ", h " +
                              std::to_string(c.h) + ", ff " + std::to_string(c.ff) + (c.f32 ? ", f32" : ", bf16") +
                              (c.with_delta ? " residual + delta" : " residual");
-    auto router = random(c.n_experts, c.h, 6.0f / std::sqrt(static_cast<float>(c.h)));
-    auto gate_up = random(int64_t{c.n_experts} * 2 * c.ff, c.h, 1.7f / std::sqrt(static_cast<float>(c.h)));
-    auto down = random(int64_t{c.n_experts} * c.h, c.ff, 1.7f / std::sqrt(static_cast<float>(c.ff)));
-    MoeWeights w;
-    w.n_experts = c.n_experts;
-    w.top_k = c.top_k;
-    w.n_ff = c.ff;
-    w.norm_topk_prob = c.norm;
-    w.router = router.g;
-    w.gate_up = gate_up.g;
-    w.down = down.g;
+    const MoePairs moe = random_moe(c.h, c.n_experts, c.top_k, c.ff, c.norm);
+    const MoeWeights w = moe.on(true);
     const int m = 5;
     auto res = c.f32 ? random_f32(m, c.h, 3.0f) : random(m, c.h, 3.0f);
     auto delta = random(m, c.h), norm_w = random(1, c.h);

@@ -13,6 +13,18 @@ namespace dflash::cuda {
 // Pairs an expert gets on average from which a step takes the tile products (moe_gemm.cu).
 constexpr int kMoeWideMinPairs = 32;
 
+namespace {
+// Expert 0's gate/up [2 * ff, hidden] and down [hidden, ff]; expert e's follow e steps later.
+struct ExpertViews {
+  Mat gate_up, down;
+};
+ExpertViews expert_views(const MoeWeights& w, int64_t hidden) {
+  const int64_t ff = w.n_ff;
+  return {{static_cast<bf16*>(w.gate_up.data), 2 * ff, hidden, w.gate_up.stride},
+          {static_cast<bf16*>(w.down.data), hidden, ff, w.down.stride}};
+}
+}  // namespace
+
 void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows, MoeScratch* scratch) {
   check_moe(x, w, out, expert_rows);
   require_bf16(x, "moe input");
@@ -54,34 +66,25 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   Tensor act = scratch ? scratch->act.slice_rows(0, pairs) : alloc(pairs, ff);
   Tensor y = scratch ? scratch->y.slice_rows(0, pairs) : alloc(pairs, h);
   RoutedRows rows{i32(items), i32(n_items), i32(pair_list), i32(next_units), w.top_k, 2 * ff * w.gate_up.stride};
-  const Mat gate_up{static_cast<bf16*>(w.gate_up.data), 2 * ff, h, w.gate_up.stride};  // expert 0's
-  const Mat down{static_cast<bf16*>(w.down.data), h, ff, w.down.stride};
-  auto combine = [&] {
-    staging_.launch([&](cudaStream_t s) {
-      launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);
-    });
-  };
-  if (wide) {
-    staging_.launch([&](cudaStream_t s) { launch_moe_gemm(mat(x), gate_up, mat(act), rows, true, max_items, s); });
-    rows.x_div = 1;
-    rows.w_step = h * w.down.stride;
-    staging_.launch([&](cudaStream_t s) { launch_moe_gemm(mat(act), down, mat(y), rows, false, max_items, s); });
-    return combine();
-  }
+  const ExpertViews e = expert_views(w, h);
   staging_.launch([&](cudaStream_t s) {
-    launch_skinny_gemm_routed(mat(x), gate_up, mat(act), rows, /*swiglu=*/true, tile, max_items, s);
+    if (wide) launch_moe_gemm(mat(x), e.gate_up, mat(act), rows, /*swiglu=*/true, max_items, s);
+    else launch_skinny_gemm_routed(mat(x), e.gate_up, mat(act), rows, /*swiglu=*/true, tile, max_items, s);
   });
-  // The down products follow the gate/up ones, which waited for the routing before they
+  rows.x_div = 1;
+  rows.w_step = h * w.down.stride;
+  // The skinny down products follow the gate/up ones, which waited for the routing before they
   // released: the down blocks request their first weights while the gate/up products finish
   // (H100, 30B-A3B shape, plain batch 1: 3.64 -> 3.50 ms a step).
   rows.next_unit = i32(next_units) + 1;
-  rows.x_div = 1;
-  rows.w_step = h * w.down.stride;
   rows.items_ready = true;
   staging_.launch([&](cudaStream_t s) {
-    launch_skinny_gemm_routed(mat(act), down, mat(y), rows, /*swiglu=*/false, tile, max_items, s);
+    if (wide) launch_moe_gemm(mat(act), e.down, mat(y), rows, /*swiglu=*/false, max_items, s);
+    else launch_skinny_gemm_routed(mat(act), e.down, mat(y), rows, /*swiglu=*/false, tile, max_items, s);
   });
-  combine();
+  staging_.launch([&](cudaStream_t s) {
+    launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);
+  });
 }
 
 // One token (decode at batch 1): three kernels instead of six (H100, 30B-A3B shape, plain batch
@@ -90,13 +93,12 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
                            MoeScratch* scratch) {
   const RowNorm rn = row_norm(n);
   const int64_t hidden = n.residual->cols, ff = w.n_ff;
-  const Mat gate_up{static_cast<bf16*>(w.gate_up.data), 2 * ff, hidden, w.gate_up.stride};  // expert 0's
-  const Mat down{static_cast<bf16*>(w.down.data), hidden, ff, w.down.stride};
+  const ExpertViews e = expert_views(w, hidden);
   const bool one_token = n.residual->rows == 1 && !n.capture && rn.residual && h.rows == 1 && h.cols == hidden &&
                          h.dtype == DType::BF16 && w.router.dtype == DType::BF16 &&
                          w.gate_up.dtype == DType::BF16 && w.down.dtype == DType::BF16 && w.router.cols == hidden &&
                          skinny_gemm_norm_supported(rn, 1, mat(w.router), false, props_.multiProcessorCount) &&
-                         moe_token_supported(rn, gate_up, down, w.n_experts, w.top_k) &&
+                         moe_token_supported(rn, e.gate_up, e.down, w.n_experts, w.top_k) &&
                          reinterpret_cast<uintptr_t>(h.data) % 16 == 0 &&
                          (!scratch || (scratch->act.rows >= w.top_k && scratch->act.cols == ff &&
                                        scratch->act.stride % 8 == 0 &&
@@ -114,7 +116,7 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
   const MoeTokenArgs args{w.n_experts, w.top_k, w.norm_topk_prob, 2 * ff * w.gate_up.stride, hidden * w.down.stride,
                           expert_rows ? static_cast<int32_t*>(expert_rows->data) : nullptr};
   staging_.launch(
-      [&](cudaStream_t s) { launch_moe_token(rn, mat(logits), args, gate_up, down, mat(act), mat(h), mat(out), s); });
+      [&](cudaStream_t s) { launch_moe_token(rn, mat(logits), args, e.gate_up, e.down, mat(act), mat(h), mat(out), s); });
 }
 
 }  // namespace dflash::cuda

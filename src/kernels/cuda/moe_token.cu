@@ -48,6 +48,12 @@ __device__ void route_one(const bf16* logits, const MoeTokenArgs& a, TokenRoute&
                         });
 }
 
+// How many of K's 32-k chunks warp w sums: chunks w, w + 8, ... (skinny_gemm.cu's split).
+__device__ __forceinline__ int chunks_of_warp(int K, int w) {
+  const int n_chunks = (K + kChunk - 1) / kChunk;
+  return w < n_chunks ? (n_chunks - w + kWarps - 1) / kWarps : 0;
+}
+
 // Normalized rows in shared memory are padded by 16 bytes (fewer bank conflicts).
 __host__ __device__ constexpr int64_t padded(int64_t k) { return k + 8; }
 
@@ -99,8 +105,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNo
   const int j = blockIdx.y;
   const bf16* we = w + route.expert[j] * w_step;
   const int64_t n0 = int64_t{blockIdx.x} * 16;
-  const int n_chunks = (K + kChunk - 1) / kChunk;
-  const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
+  const int n_mine = chunks_of_warp(K, warp);
   auto issue = [&](int i) {
     if (i < n_mine) {
       const int k0 = (warp + i * kWarps) * kChunk;
@@ -183,8 +188,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_token_down_kernel(const bf16*
   __syncthreads();
 
   const int64_t n0 = int64_t{blockIdx.x} * 16;
-  const int n_chunks = (K + kChunk - 1) / kChunk;
-  const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;
+  const int n_mine = chunks_of_warp(K, warp);
   const int n_seq = n_mine * top_k;  // chunk i of expert j is step j * n_mine + i
   auto issue = [&](int c) {
     if (c < n_seq) {

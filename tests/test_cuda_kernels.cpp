@@ -114,24 +114,27 @@ TEST_F(CudaOps, MatmulMatchesCpuForSkinnyAndLargeShapes) {
   }
 }
 
-// cuBLASLt's products take the algorithm of their row count's bucket (chosen at first use, or
-// ahead by prepare_products): every row count of a bucket, before and after preparing, matches
-// the CPU, and a repeated product gives the same bits.
+// cuBLASLt's products take the algorithm of their row count's bucket, chosen at first use. After
+// prepare_products, the first product of each shape (seen before or not) first runs every bucket's
+// algorithm on its own operands: every row count of a bucket, before and after preparing, matches
+// the CPU (the product's own launch comes last), and a repeated product gives the same bits.
 TEST_F(CudaOps, LargeProductsOfEveryRowBucketMatchCpu) {
-  const int64_t n = 1024, k = 512;
-  auto w = random(n, k, 0.05f);
-  auto product = [&](int64_t m, const std::string& what) {
+  const int64_t k = 512;
+  auto w = random(1024, k, 0.05f), w2 = random(800, k, 0.05f);
+  auto product = [&](const Pair& wt, int64_t m, const std::string& what) {
+    const int64_t n = wt.c.rows;
     auto x = random(m, k), out = poisoned(m, n);
-    cpu->matmul(x.c, w.c, nullptr, out.c);
-    gpu->matmul(x.g, w.g, nullptr, out.g);
-    expect_close(out, what + ", " + std::to_string(m) + " rows");
+    cpu->matmul(x.c, wt.c, nullptr, out.c);
+    gpu->matmul(x.g, wt.g, nullptr, out.g);
+    expect_close(out, what + ", " + std::to_string(n) + " x " + std::to_string(m) + " rows");
     Tensor again = gpu->alloc(m, n);
-    gpu->matmul(x.g, w.g, nullptr, again);
+    gpu->matmul(x.g, wt.g, nullptr, again);
     EXPECT_EQ(gpu->to_host(again), gpu->to_host(out.g)) << what << ", " << m << " rows: repeated";
   };
-  for (int64_t m : {33, 64, 65, 127}) product(m, "chosen at first use");
+  for (int64_t m : {33, 64, 65, 127}) product(w, m, "chosen at first use");
   gpu->prepare_products(1000);
-  for (int64_t m : {128, 129, 500, 511, 512, 999, 1000, 1100}) product(m, "prepared");
+  for (int64_t m : {128, 129, 500, 511, 512, 999, 1000, 1100}) product(w, m, "prepared, a shape seen before");
+  for (int64_t m : {700, 40, 1000}) product(w2, m, "prepared, a new shape");
 }
 
 // The basis of lossless speculative decoding on the GPU: a row's product is

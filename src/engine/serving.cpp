@@ -107,10 +107,11 @@ struct ServingEngine::Impl {
   // 200 and 40 tokens, each with a few decode steps and tokens of its own: prompts that shared
   // the first one's tokens hit the prefix cache and prefilled a page each, so only one prefill
   // size was warm (H100, 8B shape, a fresh server's first 512-token prompt: 29.9 -> 22.5 ms, later
-  // ones 14.9). The counters start from zero after it. Then cuBLASLt's algorithms for every row
-  // count of a step, for the shapes these ran (lt_gemm.h).
+  // ones 14.9). The counters start from zero after it. Their products also run the kernels of
+  // every row count a step can have (prepare_products, lt_gemm.h).
   void warm_up() {
     const ModelConfig& c = m.target->config();
+    m.target->prepare_products(opts.max_tokens_per_step);
     const int longest = std::min(opts.max_tokens_per_step, c.max_positions - 2 * std::max(block_size(), 1) - 8);
     int k = 0;
     for (int n : {longest, 1000, 500, 200, 40}) {
@@ -124,7 +125,6 @@ struct ServingEngine::Impl {
       loop->add(std::move(s));
       while (!loop->idle()) loop->step();
     }
-    m.target->prepare_products(opts.max_tokens_per_step);
     loop->reset_stats();
   }
 

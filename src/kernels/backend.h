@@ -167,9 +167,9 @@ class Backend {
   virtual void synchronize() {}
   // Returns memory cached by the allocator but unused to the device (memory reports).
   virtual void release_cached_memory() {}
-  // Makes ahead the choices the backend would make on the first product of any row count up to
-  // max_rows, for the product shapes run so far (a server's warm-up: a prompt of a length not
-  // seen yet then starts as fast as later ones).
+  // From now on, the first product of each shape also does, ahead, what the first product of any
+  // row count up to max_rows would do (choosing and launching its kernels), so that after a
+  // server's warm-up a prompt of a length not seen yet starts as fast as later ones.
   virtual void prepare_products(int64_t max_rows) {}
   // Device-to-device copy bandwidth in GB/s over a `bytes` buffer, counting bytes read plus written.
   virtual double measure_copy_gbps(int64_t bytes) = 0;

@@ -1,6 +1,8 @@
 #include "kernels/cuda/lt_gemm.h"
 
-#include <set>
+#include <algorithm>
+#include <cstring>
+#include <vector>
 
 namespace dflash::cuda {
 
@@ -94,11 +96,26 @@ LtGemm::Plan& LtGemm::plan_for(int64_t m, const Shape& s) {
   return plans_.emplace(std::pair{m, s}, std::move(p)).first->second;
 }
 
-void LtGemm::prepare(int64_t max_rows) {
-  std::set<Shape> shapes;
-  for (const auto& [key, p] : plans_) shapes.insert(key.second);
-  for (const Shape& s : shapes)
-    for (int64_t m = kRowBucket; m < max_rows + kRowBucket; m += kRowBucket) bucket_algo(m, s);
+void LtGemm::launch(const Layouts& l, const cublasLtMatmulAlgo_t& algo, const Mat& x, const Mat& w, Mat out,
+                    cudaStream_t stream) {
+  const float one = 1.0f, zero = 0.0f;
+  CUBLAS_CHECK(cublasLtMatmul(handle_, op_, &one, w.data, l.a, x.data, l.b, &zero, out.data, l.d, out.data, l.d, &algo,
+                              workspace_, workspace_bytes_, stream));
+}
+
+// Bucket b's algorithm runs as a product of min(b, rows) rows would run it (an algorithm chosen for
+// a few rows may not take many: split-K needs workspace by rows). The product's own launch follows
+// on the same stream and overwrites out.
+void LtGemm::run_every_bucket(const Shape& s, const Mat& x, const Mat& w, Mat out, cudaStream_t stream) {
+  prepared_.insert(s);
+  std::vector<cublasLtMatmulAlgo_t> ran;
+  for (int64_t b = kRowBucket; b < max_rows_ + kRowBucket; b += kRowBucket) {
+    const Plan& p = plan_for(std::min(b, x.rows), s);
+    if (std::any_of(ran.begin(), ran.end(), [&](const auto& a) { return std::memcmp(&a, &p.algo, sizeof(a)) == 0; }))
+      continue;
+    ran.push_back(p.algo);
+    launch(p.l, p.algo, x, w, out, stream);
+  }
 }
 
 void LtGemm::run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream) {
@@ -106,9 +123,12 @@ void LtGemm::run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream) {
   const Shape s{w.rows, x.cols, x.stride, w.stride, out.stride,
                 alignment_of(x.data), alignment_of(w.data), alignment_of(out.data)};
   Plan& p = plan_for(x.rows, s);
-  const float one = 1.0f, zero = 0.0f;
-  CUBLAS_CHECK(cublasLtMatmul(handle_, op_, &one, w.data, p.l.a, x.data, p.l.b, &zero, out.data, p.l.d, out.data,
-                              p.l.d, &p.algo, workspace_, workspace_bytes_, stream));
+  if (max_rows_ > 0 && !prepared_.count(s)) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone) run_every_bucket(s, x, w, out, stream);
+  }
+  launch(p.l, p.algo, x, w, out, stream);
 }
 
 }  // namespace dflash::cuda

@@ -3,15 +3,16 @@
 //
 // The algorithm is chosen by cuBLASLt's heuristic once per shape, with the row count rounded up
 // to a multiple of kRowBucket: every row count of a bucket takes the algorithm chosen for the
-// bucket's largest (checked to run at the row count; else its own). Before, each new row count
-// had its own choice, and a prompt length never seen took algorithms whose kernels had not run
-// yet, whose first launches are slow. Now prompts of one bucket share kernels. prepare() chooses the algorithms of all buckets ahead
-// for the shapes seen so far (it does not run them: a bucket whose algorithm is new to the
-// process still pays its first launch).
+// bucket's largest (checked to run at the row count; else its own). Prompts of one bucket so share
+// kernels. A cuBLASLt kernel's first launch in the process costs 2-3 ms of host time (H100, 8B
+// shape: a fresh server's first 300-token prompt took 1.9x a later one's, three such gaps in its
+// prefill), so after prepare() the first product of each shape also runs every bucket's
+// algorithm once: a server's warm-up then launches every kernel a later prompt length can take.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "kernels/cuda/cuda_check.h"
@@ -29,10 +30,9 @@ class LtGemm {
   LtGemm& operator=(const LtGemm&) = delete;
 
   void run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream);
-  // Chooses the algorithms of every row bucket up to max_rows for each shape run so far.
-  void prepare(int64_t max_rows);
-  size_t n_plans() const { return plans_.size(); }
-  size_t workspace_bytes() const { return workspace_bytes_; }
+  // From now on, the first product of each shape (outside a graph capture) first runs, on its own
+  // operands, the algorithm of every row bucket up to max_rows (each distinct one once).
+  void prepare(int64_t max_rows) { max_rows_ = max_rows; }
 
  private:
   // N, K, ld of x, w, out, and the alignment class of the three pointers: a product but its rows.
@@ -56,6 +56,9 @@ class LtGemm {
   // The algorithm of m's row bucket, chosen on first use.
   const cublasLtMatmulAlgo_t& bucket_algo(int64_t m, const Shape& s);
   Plan& plan_for(int64_t m, const Shape& s);
+  void launch(const Layouts& l, const cublasLtMatmulAlgo_t& algo, const Mat& x, const Mat& w, Mat out,
+              cudaStream_t stream);
+  void run_every_bucket(const Shape& s, const Mat& x, const Mat& w, Mat out, cudaStream_t stream);
 
   cublasLtHandle_t handle_ = nullptr;
   cublasLtMatmulDesc_t op_ = nullptr;  // out^T = w^T (transposed) * x in column-major terms
@@ -63,6 +66,8 @@ class LtGemm {
   size_t workspace_bytes_ = 32u << 20;
   std::map<std::pair<int64_t, Shape>, Plan> plans_;                    // by exact rows
   std::map<std::pair<int64_t, Shape>, cublasLtMatmulAlgo_t> algos_;  // by row bucket
+  int64_t max_rows_ = 0;         // prepare()'s
+  std::set<Shape> prepared_;     // shapes whose buckets' algorithms have run
 };
 
 }  // namespace dflash::cuda

@@ -47,14 +47,10 @@ inline double expect_lossless(Engine& engine, const std::vector<std::vector<int3
   return tau;
 }
 
-// Serves `prompts` (greedy, max_tokens each) with up to max_num_seqs at once; tokens per prompt.
-inline std::vector<std::vector<int32_t>> serve_all(const EngineOptions& eo, SpeculativeMode mode, int max_num_seqs,
-                                            const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
-                                            ServingStats* stats = nullptr) {
-  ServingOptions so;
-  so.engine = eo;
-  so.mode = mode;
-  so.max_num_seqs = max_num_seqs;
+// Serves `prompts` (greedy, max_tokens each) with so's settings; tokens per prompt.
+inline std::vector<std::vector<int32_t>> serve_all(const ServingOptions& so,
+                                                   const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
+                                                   ServingStats* stats = nullptr) {
   ServingEngine server(so);
   std::mutex mu;
   std::condition_variable cv;
@@ -78,6 +74,17 @@ inline std::vector<std::vector<int32_t>> serve_all(const EngineOptions& eo, Spec
   EXPECT_TRUE(cv.wait_for(lk, std::chrono::minutes(5), [&] { return finished == prompts.size(); }));
   if (stats) *stats = server.stats();
   return got;
+}
+
+// The same with up to max_num_seqs at once and the other settings left as they are.
+inline std::vector<std::vector<int32_t>> serve_all(const EngineOptions& eo, SpeculativeMode mode, int max_num_seqs,
+                                                   const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
+                                                   ServingStats* stats = nullptr) {
+  ServingOptions so;
+  so.engine = eo;
+  so.mode = mode;
+  so.max_num_seqs = max_num_seqs;
+  return serve_all(so, prompts, max_tokens, stats);
 }
 
 inline std::vector<std::vector<int32_t>> bundled_prompts(size_t n) {

@@ -51,11 +51,14 @@ __device__ __forceinline__ void route_token(Logit logit, int E, int top_k, bool 
       const int e = lane + 32 * i;
       if (!(taken >> i & 1) && p[i] >= 0.0f && moe_better(p[i], e, bp, be)) bp = p[i], be = e;
     }
-    for (int o = 16; o > 0; o /= 2) {
-      const float op = __shfl_xor_sync(kFull, bp, o);
-      const int oe = __shfl_xor_sync(kFull, be, o);
-      if (moe_better(op, oe, bp, be)) bp = op, be = oe;
-    }
+    // The warp's best: the largest probability (as the bits of a non-negative float, which order
+    // as unsigned integers; 0: none), then the lowest expert holding it. Two warp reductions
+    // instead of five rounds of two shuffles.
+    const unsigned key = bp >= 0.0f ? __float_as_uint(fabsf(bp)) + 1u : 0u;
+    const unsigned best = __reduce_max_sync(kFull, key);
+    const unsigned best_e = __reduce_min_sync(kFull, key == best ? static_cast<unsigned>(be) : 0xFFFFFFFFu);
+    if (best == 0u) bp = -2.0f, be = INT32_MAX;
+    else bp = __uint_as_float(best - 1u), be = static_cast<int>(best_e);
     if (be % 32 == lane) taken |= 1u << (be / 32);
     top_sum += bp;  // in rank order
   }

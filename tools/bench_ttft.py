@@ -69,6 +69,7 @@ def warm_client():
     fake = argparse.Namespace(url=f"http://127.0.0.1:{local.server_address[1]}", model="warm-up")
     complete(fake, list(range(100)))
     local.shutdown()
+    local.server_close()
 
 
 def main():

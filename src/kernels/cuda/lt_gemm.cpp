@@ -103,18 +103,29 @@ void LtGemm::launch(const Layouts& l, const cublasLtMatmulAlgo_t& algo, const Ma
                               workspace_, workspace_bytes_, stream));
 }
 
-// Bucket b's algorithm runs as a product of min(b, rows) rows would run it (an algorithm chosen for
-// a few rows may not take many: split-K needs workspace by rows). The product's own launch follows
-// on the same stream and overwrites out.
-void LtGemm::run_every_bucket(const Shape& s, const Mat& x, const Mat& w, Mat out, cudaStream_t stream) {
+// Bucket b's algorithm runs as a product of b rows would run it where b <= rows (an algorithm
+// chosen for a few rows may not take many: split-K needs workspace by rows), else on these rows
+// where it takes them. Best effort: a bucket that fails is left to its first use. The product's
+// own launch follows on the same stream and overwrites out.
+void LtGemm::run_every_bucket(const Shape& s, const Plan& own, const Mat& x, const Mat& w, Mat out,
+                              cudaStream_t stream) {
   prepared_.insert(s);
-  std::vector<cublasLtMatmulAlgo_t> ran;
+  std::vector<cublasLtMatmulAlgo_t> ran{own.algo};
   for (int64_t b = kRowBucket; b < max_rows_ + kRowBucket; b += kRowBucket) {
-    const Plan& p = plan_for(std::min(b, x.rows), s);
-    if (std::any_of(ran.begin(), ran.end(), [&](const auto& a) { return std::memcmp(&a, &p.algo, sizeof(a)) == 0; }))
-      continue;
-    ran.push_back(p.algo);
-    launch(p.l, p.algo, x, w, out, stream);
+    try {
+      const Plan* p = b <= x.rows ? &plan_for(b, s) : &own;
+      cublasLtMatmulAlgo_t algo = b <= x.rows ? p->algo : bucket_algo(b, s);
+      if (std::any_of(ran.begin(), ran.end(), [&](const auto& a) { return std::memcmp(&a, &algo, sizeof(a)) == 0; }))
+        continue;
+      ran.push_back(algo);
+      cublasLtMatmulHeuristicResult_t check{};
+      if (b > x.rows && (cublasLtMatmulAlgoCheck(handle_, op_, own.l.a, own.l.b, own.l.d, own.l.d, &algo, &check) !=
+                             CUBLAS_STATUS_SUCCESS ||
+                         check.workspaceSize > workspace_bytes_))
+        continue;
+      launch(p->l, algo, x, w, out, stream);
+    } catch (const Error&) {
+    }
   }
 }
 
@@ -126,7 +137,7 @@ void LtGemm::run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream) {
   if (max_rows_ > 0 && !prepared_.count(s)) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone) run_every_bucket(s, x, w, out, stream);
+    if (capture == cudaStreamCaptureStatusNone) run_every_bucket(s, p, x, w, out, stream);
   }
   launch(p.l, p.algo, x, w, out, stream);
 }

@@ -10,6 +10,7 @@
 // algorithm once: a server's warm-up then launches every kernel a later prompt length can take.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <set>
@@ -31,8 +32,12 @@ class LtGemm {
 
   void run(const Mat& x, const Mat& w, Mat out, cudaStream_t stream);
   // From now on, the first product of each shape (outside a graph capture) first runs, on its own
-  // operands, the algorithm of every row bucket up to max_rows (each distinct one once).
-  void prepare(int64_t max_rows) { max_rows_ = max_rows; }
+  // operands, the algorithm of every row bucket up to max_rows (each distinct one once); a larger
+  // max_rows later prepares every shape again.
+  void prepare(int64_t max_rows) {
+    if (max_rows > max_rows_) prepared_.clear();
+    max_rows_ = std::max(max_rows_, max_rows);
+  }
 
  private:
   // N, K, ld of x, w, out, and the alignment class of the three pointers: a product but its rows.
@@ -58,7 +63,7 @@ class LtGemm {
   Plan& plan_for(int64_t m, const Shape& s);
   void launch(const Layouts& l, const cublasLtMatmulAlgo_t& algo, const Mat& x, const Mat& w, Mat out,
               cudaStream_t stream);
-  void run_every_bucket(const Shape& s, const Mat& x, const Mat& w, Mat out, cudaStream_t stream);
+  void run_every_bucket(const Shape& s, const Plan& own, const Mat& x, const Mat& w, Mat out, cudaStream_t stream);
 
   cublasLtHandle_t handle_ = nullptr;
   cublasLtMatmulDesc_t op_ = nullptr;  // out^T = w^T (transposed) * x in column-major terms

@@ -162,24 +162,32 @@ __global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNo
 
 // Down and the weighted sum: block x computes output features [16 x, 16 x + 16) of the sum over
 // the token's chosen experts j (increasing index) of weight_j * bf16(act_j * down_j^T), K = the
-// experts' width. A warp streams its chunks of every expert in turn through one ring.
-// 16 stages (128 KiB of ring, one block an SM) leave room for the next layer's q/k/v product to
-// request its weights beside it; 8 or 24 stages were slower (bench/results/README.md).
-constexpr int kDownStages = 16;
+// experts' width. Two groups of 8 warps take the chosen experts in turn (group g: j = g, g + 2,
+// ...); within a group, warp w sums chunks w, w + 8, ... of each of its experts, as in the other
+// forms, so every expert's partial sums and their order are unchanged. 16 warps instead of 8
+// halve each warp's sequence of dependent steps: one block of 8 warps an SM could not take its
+// chunks as fast as they arrived (Nsight Compute, H100: 18.9 us alone, 1.38 TB/s).
+// 128 KiB of ring (8 stages a warp, one block an SM) leave room for the next layer's q/k/v
+// product to request its weights beside it; 64 or 192 KiB were slower (bench/results/README.md).
+constexpr int kDownGroups = 2;
+constexpr int kDownWarps = kWarps * kDownGroups;
+constexpr int kDownStages = 8;
 using DownStage = uint4[16][4];
 template <int kPerLane>
-__global__ void __launch_bounds__(kWarps * 32) moe_token_down_kernel(const bf16* logits, MoeTokenArgs a,
-                                                                      const bf16* __restrict__ act, int64_t act_stride,
-                                                                      int K, const bf16* __restrict__ w,
-                                                                      int64_t w_stride, int64_t w_step, int N,
-                                                                      bf16* __restrict__ out) {
+__global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const bf16* logits, MoeTokenArgs a,
+                                                                          const bf16* __restrict__ act,
+                                                                          int64_t act_stride, int K,
+                                                                          const bf16* __restrict__ w, int64_t w_stride,
+                                                                          int64_t w_step, int N,
+                                                                          bf16* __restrict__ out) {
   constexpr int S = kDownStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ TokenRoute route;
   __shared__ float red[kWarps][kMoeTokenMaxTopK][16];  // token 0's partial sums
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int group = warp / kWarps, kw = warp % kWarps;  // kw: the warp's place in the split of K
   DownStage* ring = reinterpret_cast<DownStage*>(smem_raw) + warp * S;
-  bf16* rows = reinterpret_cast<bf16*>(smem_raw + sizeof(DownStage) * S * kWarps);  // [top_k][padded(K)]
+  bf16* rows = reinterpret_cast<bf16*>(smem_raw + sizeof(DownStage) * S * kDownWarps);  // [top_k][padded(K)]
   const int top_k = a.top_k;
 
   // The router product is complete: the gate/up kernel waited for it before it released this one.
@@ -188,25 +196,30 @@ __global__ void __launch_bounds__(kWarps * 32) moe_token_down_kernel(const bf16*
   __syncthreads();
 
   const int64_t n0 = int64_t{blockIdx.x} * 16;
-  const int n_mine = chunks_of_warp(K, warp);
-  const int n_seq = n_mine * top_k;  // chunk i of expert j is step j * n_mine + i
-  auto issue = [&](int c) {
-    if (c < n_seq) {
-      const int j = c / n_mine, k0 = (warp + (c % n_mine) * kWarps) * kChunk;
-      const bf16* we = w + route.expert[j] * w_step;
+  const int n_mine = chunks_of_warp(K, kw);
+  const int n_experts = (top_k - group + kDownGroups - 1) / kDownGroups;  // the group's: j = group + 2 e
+  const int n_seq = n_mine * n_experts;
+  // The next chunk to request: the group's expert `ie`, the warp's chunk `ic` of it, ring slot c % S.
+  int issued = 0, ie = 0, ic = 0;
+  auto issue = [&] {
+    if (issued < n_seq) {
+      const int k0 = (kw + ic * kWarps) * kChunk;
+      const bf16* we = w + route.expert[group + kDownGroups * ie] * w_step;
 #pragma unroll
       for (int p2 = 0; p2 < 2; ++p2) {
         const int p = lane + 32 * p2, r = p / 4, part = p % 4;
         const int64_t f = n0 + r;
         const int k = k0 + part * 8;
         const bool ok = f < N && k < K;
-        cp_async16_hint<128>(&ring[c % S][r][part], ok ? we + f * w_stride + k : we, ok);
+        cp_async16_hint<128>(&ring[issued % S][r][part], ok ? we + f * w_stride + k : we, ok);
       }
+      if (++ic == n_mine) ic = 0, ++ie;
     }
+    ++issued;
     cp_async_commit();
   };
 #pragma unroll
-  for (int c = 0; c < S; ++c) issue(c);
+  for (int c = 0; c < S; ++c) issue();
   pdl_begin();
   // The experts' activations (the gate/up kernel's output) into shared memory.
   const int pieces = K / 8;
@@ -218,21 +231,23 @@ __global__ void __launch_bounds__(kWarps * 32) moe_token_down_kernel(const bf16*
   __syncthreads();
 
   float acc[4] = {};
+  int e = 0, i = 0;  // the chunk taken: the group's expert e, the warp's chunk i of it
   for (int c = 0; c < n_seq; ++c) {
     cp_async_wait<S - 1>();
     __syncwarp();
     const DownStage& st = ring[c % S];
     const uint4 lo = st[g][q], hi = st[g + 8][q];
-    const int j = c / n_mine, i = c % n_mine;
-    const int k = (warp + i * kWarps) * kChunk + q * 8;
+    const int j = group + kDownGroups * e;
+    const int k = (kw + i * kWarps) * kChunk + q * 8;
     const uint4 xv = g == 0 && k < K ? *reinterpret_cast<const uint4*>(rows + j * padded(K) + k) : uint4{};
     __syncwarp();
-    issue(c + S);
+    issue();
     mma_chunk(acc, lo, hi, xv);
-    if (i == n_mine - 1) {  // expert j done: token 0's sums (lanes with q == 0) to the reduction
-      if (q == 0) red[warp][j][g] = acc[0], red[warp][j][g + 8] = acc[2];
+    if (++i == n_mine) {  // expert j done: token 0's sums (lanes with q == 0) to the reduction
+      if (q == 0) red[kw][j][g] = acc[0], red[kw][j][g + 8] = acc[2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] = 0.0f;
+      for (int t = 0; t < 4; ++t) acc[t] = 0.0f;
+      i = 0, ++e;
     }
   }
   cp_async_wait<0>();
@@ -263,7 +278,7 @@ void allow_smem(Kernel kernel, std::atomic<uint64_t>& configured, size_t bytes) 
 constexpr size_t kMaxSmem = 200 * 1024;
 size_t gate_up_smem(int64_t k) { return sizeof(GateUpStage) * kGateUpStages * kWarps + sizeof(bf16) * padded(k); }
 size_t down_smem(int top_k, int64_t ff) {
-  return sizeof(DownStage) * kDownStages * kWarps + sizeof(bf16) * top_k * padded(ff);
+  return sizeof(DownStage) * kDownStages * kDownWarps + sizeof(bf16) * top_k * padded(ff);
 }
 
 template <int kPerLane>
@@ -279,7 +294,7 @@ void launch_per_lane(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a,
               static_cast<int>(ff), act.data, act.stride, h_out.data);
   auto dn = moe_token_down_kernel<kPerLane>;
   allow_smem(dn, down_configured, kMaxSmem);
-  launch_smem(dn, dim3(static_cast<unsigned>((down.rows + 15) / 16)), kWarps * 32, down_smem(a.top_k, ff), s,
+  launch_smem(dn, dim3(static_cast<unsigned>((down.rows + 15) / 16)), kDownWarps * 32, down_smem(a.top_k, ff), s,
               logits.data, a, act.data, act.stride, static_cast<int>(ff), down.data, down.stride, a.down_step,
               static_cast<int>(down.rows), out.data);
 }

@@ -155,6 +155,16 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
       }
   };
+    // This lane's token rows (token mt * 8 + g), looked up once: the routed form reads them from
+    // the pair list, which would put a dependent load before every chunk's copies.
+    const bf16* x_of[kNorm ? 1 : MT];
+    if constexpr (!kNorm) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int t = mt * 8 + g;
+        x_of[mt] = t < M ? x + x_row(t) * x_stride : nullptr;
+      }
+    }
     auto issue_x = [&](int i) {
       if constexpr (!kNorm) {
         if (i >= n_mine) return;
@@ -162,9 +172,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         St& st = ring[i % S];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const int t = mt * 8 + g;
-          const bool ok = t < M && k < K;
-          cp_async16(&st.x[mt][g][q], ok ? x + x_row(t) * x_stride + k : x, ok);
+          const bool ok = x_of[mt] && k < K;
+          cp_async16(&st.x[mt][g][q], ok ? x_of[mt] + k : x, ok);
         }
       }
     };

@@ -39,7 +39,7 @@ ncclDataType_t nccl_type(const Tensor& t) {
   }
 }
 
-// The group's memory for launch_peer_all_reduce: on each GPU its staging buffer, flags and call
+// The group's memory for launch_peer_all_reduce: on each GPU its inbox, flags and call
 // counts (zeroed), and one host-mapped stop flag. Only where every GPU reaches every other, and
 // for at most kPeerMaxRanks GPUs.
 class PeerMemory {
@@ -65,7 +65,7 @@ class PeerMemory {
       void* staging = nullptr;
       void* flags = nullptr;
       void* calls = nullptr;
-      CUDA_CHECK(cudaMalloc(&staging, 2 * cuda::kPeerMaxBytes));
+      CUDA_CHECK(cudaMalloc(&staging, sizeof(cuda::bf16) * 2 * cuda::kPeerHalfElems * size));
       CUDA_CHECK(cudaMalloc(&flags, sizeof(uint32_t) * cuda::kPeerMaxBlocks * cuda::kPeerMaxRanks));
       CUDA_CHECK(cudaMalloc(&calls, sizeof(uint32_t) * cuda::kPeerMaxBlocks));
       CUDA_CHECK(cudaMemset(flags, 0, sizeof(uint32_t) * cuda::kPeerMaxBlocks * cuda::kPeerMaxRanks));

@@ -1,9 +1,9 @@
 // A one-kernel all-reduce over the GPUs of this process for small bf16 tensors (a decode step's
-// [rows, n_embd] partial sums): each rank copies its tensor to its staging buffer, tells every
-// peer through a flag in the peer's memory, waits for theirs, and sums every rank's buffer in rank
-// order in float32 over NVLink (peer access). On two H100s a [1..32, 4096] tensor takes 7.6-9 us
-// this way, 12.7-15.8 us through NCCL (bench/results/bench_step_h100x2_qwen3-8b-shape_tp2.txt).
-// Same bits on every rank; with two ranks, the same bits as NCCL's bf16 sum.
+// [rows, n_embd] partial sums): each rank writes its tensor into every peer's inbox over NVLink
+// (peer access), raises a flag in the peer's memory, waits for the peers' flags in its own, and
+// sums its own tensor and its inbox in rank order in float32. Same bits on every rank; with two
+// ranks, the same bits as NCCL's bf16 sum. Timings in bench/results/README.md ("Tensor
+// parallelism").
 #pragma once
 
 #include <cstdint>
@@ -17,10 +17,11 @@ namespace dflash::cuda {
 constexpr int kPeerMaxRanks = 8;
 constexpr int kPeerMaxBlocks = 32;
 constexpr int64_t kPeerMaxBytes = int64_t{512} << 10;  // larger tensors go through NCCL
+constexpr int64_t kPeerHalfElems = kPeerMaxBytes / 2;   // one call's slot half, in elements
 
 // One rank's view of the group's memory (all device pointers, peers' through peer access).
 struct PeerAllReduceArgs {
-  bf16* staging[kPeerMaxRanks];   // each rank's staging buffer: two halves of kPeerMaxBytes (calls alternate)
+  bf16* staging[kPeerMaxRanks];   // each rank's inbox: a slot per sender of two halves (calls alternate)
   uint32_t* flags[kPeerMaxRanks]; // each rank's flags, [block][from rank]: the last call the sender has staged
   uint32_t* calls = nullptr;      // this rank's count of calls per block
   const volatile int* stop = nullptr;  // host-mapped: nonzero once the group stopped (waits give up)

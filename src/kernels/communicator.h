@@ -2,6 +2,7 @@
 // between the ranks, a backend per rank, and graphs that span the ranks.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -55,7 +56,9 @@ class GraphPeers {
   virtual void begin_restage(const std::shared_ptr<void>& graphs) = 0;
   virtual bool end_restage() = 0;  // false: a rank's part no longer matches its graph
   virtual void cancel() = 0;       // rank 0's capture or restage stopped with an error
-  virtual void replay(const std::shared_ptr<void>& graphs) = 0;
+  // Launches the ranks' graphs while own() (rank 0's launch of its part) runs: a GPU whose
+  // launch came after rank 0's would reach the first collective late, with rank 0 waiting there.
+  virtual void replay(const std::shared_ptr<void>& graphs, const std::function<void()>& own) = 0;
 };
 
 }  // namespace dflash

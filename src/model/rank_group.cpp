@@ -178,13 +178,13 @@ void RankGroup::cancel() {
   current_.reset();
 }
 
-void RankGroup::replay(const std::shared_ptr<void>& graphs) {
+void RankGroup::replay(const std::shared_ptr<void>& graphs, const std::function<void()>& own) {
   const auto* g = static_cast<const PeerGraphs*>(graphs.get());
   run(
       [&](int r) {
         for (const auto& graph : g->of_rank[static_cast<size_t>(r - 1)]) backend(r).replay_graph(graph);
       },
-      [] {});
+      own);
 }
 
 }  // namespace dflash

@@ -48,7 +48,7 @@ class RankGroup final : public GraphPeers {
   void begin_restage(const std::shared_ptr<void>& graphs) override;
   bool end_restage() override;
   void cancel() override;
-  void replay(const std::shared_ptr<void>& graphs) override;
+  void replay(const std::shared_ptr<void>& graphs, const std::function<void()>& own) override;
 
  private:
   struct PeerGraphs;  // per rank 1.., the graphs of the run calls of one rank-0 graph, in order

@@ -79,8 +79,7 @@ std::shared_ptr<void> CudaBackend::capture_graph(const std::function<void()>& bo
 void CudaBackend::replay_graph(const std::shared_ptr<void>& graph) {
   if (!peers_) return staging_.replay(graph);
   const auto* g = static_cast<const GroupGraph*>(graph.get());
-  staging_.replay(g->own);
-  peers_->replay(g->peers);
+  peers_->replay(g->peers, [&] { staging_.replay(g->own); });
 }
 
 bool CudaBackend::restage_graph(const std::shared_ptr<void>& graph, const std::function<void()>& body) {

@@ -1142,7 +1142,8 @@ TEST_F(CudaOps, NormMoeOfOneTokenGivesTheStepsBits) {
   };
   for (const Case c : {Case{2048, 128, 8, 768, true, true, true}, Case{64, 8, 2, 48, false, false, true},
                        Case{256, 300, 5, 40, true, true, false}, Case{512, 16, 8, 264, false, true, true},
-                       Case{1024, 600, 4, 128, true, false, true}, Case{200, 24, 3, 56, true, true, true}}) {
+                       Case{1024, 600, 4, 128, true, false, true}, Case{200, 24, 3, 56, true, true, true},
+                       Case{128, 4, 1, 32, false, true, true}}) {  // top 1: the down kernel's second warp group idles
     const std::string what = "top " + std::to_string(c.top_k) + " of " + std::to_string(c.n_experts) + ", h " +
                              std::to_string(c.h) + ", ff " + std::to_string(c.ff) + (c.f32 ? ", f32" : ", bf16") +
                              (c.with_delta ? " residual + delta" : " residual");

@@ -142,8 +142,13 @@ TEST_F(CudaTensorParallel, ServingWithGraphsOverTwoGpusEqualsGenerateOpByOp) {
 TEST_F(CudaTensorParallel, AllReduceGivesEveryRankTheRoundedSum) {
   auto be0 = make_cuda_backend();
   std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 4096}, {16, 4096}, {3, 1000}, {16, 4096},
-                                                           {64, 4096}, {65, 4096}, {1, 4096}};
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 4096}, {16, 4096}, {3, 1000}, {16, 4096},
+                                                     {64, 4096}, {65, 4096}, {1, 4096}};
+  // Then sizes that change from call to call, with nothing but the all-reduces between the ranks
+  // (each rank only waits for its own copies): a call must never overwrite what a peer's previous
+  // call is still reading, whatever the two sizes.
+  for (int i = 0; i < 30; ++i)
+    for (int64_t rows : {3, 2, 5, 1, 16}) shapes.emplace_back(rows, 2048);
   using PerCase = std::vector<std::vector<float>>;
   PerCase inputs[2], sums[2];
   auto rank = [&](int r, Backend& be) {

@@ -12,18 +12,20 @@ namespace {
 
 constexpr int kThreads = 512;
 
-// Block b handles elements [b * per_block, (b + 1) * per_block) of every rank's tensor, and meets
-// block b of the other ranks only: no grid-wide synchronization. Each rank writes its slice into
+// Block b handles elements [b * kPeerBlockElems, (b + 1) * kPeerBlockElems) of every rank's tensor
+// in every call, whatever n, and meets block b of the other ranks only: no grid-wide
+// synchronization. A block's region is its own in every call, so the reuse rule below holds block
+// by block even when consecutive calls have different sizes (with regions that depended on n, a
+// block could overwrite a stretch that another block of a peer's previous call was still reading). Each rank writes its slice into
 // every peer's inbox (stores over NVLink, which need no round trip), raises its flag there, waits
 // for the peers' flags in its own memory, and sums its own tensor and its inbox in rank order.
 // A call's data goes to the half of the sender's inbox slot that its parity picks; a rank reaches
 // call k + 2 (the same half) only after every peer has raised its flag for call k + 1, i.e. has
 // finished reading call k (its kernels run in order).
-__global__ void __launch_bounds__(kThreads) peer_all_reduce_kernel(PeerAllReduceArgs a, bf16* t, int64_t n,
-                                                                   int64_t per_block) {
+__global__ void __launch_bounds__(kThreads) peer_all_reduce_kernel(PeerAllReduceArgs a, bf16* t, int64_t n) {
   __shared__ uint32_t call_s;
   const int b = blockIdx.x;
-  const int64_t begin = b * per_block, end = min(n, begin + per_block);
+  const int64_t begin = b * kPeerBlockElems, end = min(n, begin + kPeerBlockElems);
   pdl_begin();  // t is complete; the next kernel may be scheduled (it waits for this one to finish)
   if (threadIdx.x == 0) {
     call_s = a.calls[b] + 1;
@@ -88,10 +90,8 @@ __global__ void __launch_bounds__(kThreads) peer_all_reduce_kernel(PeerAllReduce
 
 void launch_peer_all_reduce(const PeerAllReduceArgs& a, bf16* t, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  // About 4096 elements a block (a 16-row step of 4096 features: 16 blocks), at most kPeerMaxBlocks.
-  const int64_t blocks = std::min<int64_t>(kPeerMaxBlocks, (n + 4095) / 4096);
-  const int64_t per_block = ((n + blocks - 1) / blocks + 7) / 8 * 8;
-  launch(peer_all_reduce_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), s, a, t, n, per_block);
+  const int64_t blocks = (n + kPeerBlockElems - 1) / kPeerBlockElems;  // n <= kPeerHalfElems: at most kPeerMaxBlocks
+  launch(peer_all_reduce_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), s, a, t, n);
 }
 
 }  // namespace dflash::cuda

@@ -15,9 +15,11 @@
 namespace dflash::cuda {
 
 constexpr int kPeerMaxRanks = 8;
-constexpr int kPeerMaxBlocks = 32;
 constexpr int64_t kPeerMaxBytes = int64_t{512} << 10;  // larger tensors go through NCCL
 constexpr int64_t kPeerHalfElems = kPeerMaxBytes / 2;   // one call's slot half, in elements
+// Elements a block sums (a 16-row step of 4096 features: 16 blocks), the same in every call.
+constexpr int64_t kPeerBlockElems = 4096;
+constexpr int kPeerMaxBlocks = static_cast<int>(kPeerHalfElems / kPeerBlockElems);
 
 // One rank's view of the group's memory (all device pointers, peers' through peer access).
 struct PeerAllReduceArgs {

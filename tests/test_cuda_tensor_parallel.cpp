@@ -136,32 +136,64 @@ TEST_F(CudaTensorParallel, ServingWithGraphsOverTwoGpusEqualsGenerateOpByOp) {
   }
 }
 
-// Two ranks sum their bf16 tensors: every element is the float32 sum of the two rounded once, on
-// both ranks, through the peer kernel (up to 512 KiB, vector and element paths, calls alternating
-// halves of its staging buffers) and through NCCL beyond.
-TEST_F(CudaTensorParallel, AllReduceGivesEveryRankTheRoundedSum) {
+// Two ranks run a sequence of collectives of changing kinds, types and sizes, through the peer
+// kernels (up to their limits, whole and partial blocks, calls alternating halves of the inboxes)
+// and through NCCL beyond them (sizes not a multiple of 4 bytes, all-reduces over 512 KiB, gathers
+// and broadcasts over 4 MiB). Sums: every element is the float32 sum of the two bf16 values rounded
+// once, the same on both ranks. Gathers: every rank's part, in rank order. Broadcasts: rank 0's
+// tensor, also in runs of broadcasts with nothing else between them (rank 0 then waits for nobody's
+// data, only for the other rank to have finished the call that last used the inbox half).
+TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
+  enum Kind { kSum, kGather, kBroadcast };
+  struct Case {
+    Kind kind;
+    int64_t rows, cols;
+    bool f32;
+  };
+  std::vector<Case> cases = {{kSum, 1, 4096, false},      {kSum, 16, 4096, false},    {kSum, 3, 1000, false},
+                             {kSum, 16, 4096, false},     {kSum, 64, 4096, false},    {kSum, 65, 4096, false},
+                             {kSum, 1, 4096, false},      {kSum, 1, 3, false},        {kGather, 16, 75968, false},
+                             {kGather, 1, 75968, false},  {kGather, 3, 5, true},      {kGather, 2, 7, false},
+                             {kGather, 32, 75968, false}, {kBroadcast, 16, 4096, false}, {kBroadcast, 1, 16, true},
+                             {kBroadcast, 1, 5, false},   {kBroadcast, 300, 4096, false}};
+  // Sizes that change from call to call, with nothing but the collectives between the ranks (each
+  // rank only waits for its own copies): a call must never overwrite what a peer's previous call
+  // is still reading, whatever the two sizes.
+  for (int i = 0; i < 30; ++i)
+    for (int64_t rows : {3, 2, 5, 1, 16}) cases.push_back({kSum, rows, 2048, false});
+  for (int i = 0; i < 20; ++i)
+    for (int64_t rows : {16, 1, 7}) cases.push_back({kBroadcast, rows, 4096, i % 2 == 1});
+  for (int i = 0; i < 10; ++i) {
+    cases.push_back({kGather, 16, 4096, false});
+    cases.push_back({kBroadcast, 16, 1000, true});
+    cases.push_back({kSum, 16, 4096, false});
+  }
+
   auto be0 = make_cuda_backend();
   std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
-  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 4096}, {16, 4096}, {3, 1000}, {16, 4096},
-                                                     {64, 4096}, {65, 4096}, {1, 4096}};
-  // Then sizes that change from call to call, with nothing but the all-reduces between the ranks
-  // (each rank only waits for its own copies): a call must never overwrite what a peer's previous
-  // call is still reading, whatever the two sizes.
-  for (int i = 0; i < 30; ++i)
-    for (int64_t rows : {3, 2, 5, 1, 16}) shapes.emplace_back(rows, 2048);
   using PerCase = std::vector<std::vector<float>>;
-  PerCase inputs[2], sums[2];
+  PerCase inputs[2], outputs[2];
   auto rank = [&](int r, Backend& be) {
-    for (size_t c = 0; c < shapes.size(); ++c) {
-      const auto [rows, cols] = shapes[c];
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const Case& k = cases[c];
       std::mt19937 rng(static_cast<uint32_t>(100 * c + r));
       std::uniform_real_distribution<float> u(-4.0f, 4.0f);
-      std::vector<float> x(static_cast<size_t>(rows * cols));
+      std::vector<float> x(static_cast<size_t>(k.rows * k.cols));
       for (float& v : x) v = u(rng);
-      Tensor t = be.upload_host(x.data(), rows, cols);
+      Tensor t = k.f32 ? be.upload_host_f32(x.data(), k.rows, k.cols) : be.upload_host(x.data(), k.rows, k.cols);
       inputs[r].push_back(be.to_host(t));
-      devices->comm(r).all_reduce_sum(be, t);
-      sums[r].push_back(be.to_host(t));
+      Communicator& comm = devices->comm(r);
+      if (k.kind == kSum) {
+        comm.all_reduce_sum(be, t);
+        outputs[r].push_back(be.to_host(t));
+      } else if (k.kind == kBroadcast) {
+        comm.broadcast(be, t);
+        outputs[r].push_back(be.to_host(t));
+      } else {
+        Tensor all = k.f32 ? be.alloc_f32(2 * k.rows, k.cols) : be.alloc(2 * k.rows, k.cols);
+        comm.all_gather(be, t, all);
+        outputs[r].push_back(be.to_host(all));
+      }
     }
   };
   std::exception_ptr error;
@@ -176,12 +208,26 @@ TEST_F(CudaTensorParallel, AllReduceGivesEveryRankTheRoundedSum) {
   rank(0, *be0);
   one.join();
   if (error) std::rethrow_exception(error);
-  for (size_t c = 0; c < shapes.size(); ++c) {
-    ASSERT_EQ(sums[0][c], sums[1][c]) << "case " << c << ": the ranks differ";
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const Case& k = cases[c];
+    const std::string what = ::testing::PrintToString(c) + " (" + std::to_string(k.rows) + " x " +
+                             std::to_string(k.cols) + (k.f32 ? " f32" : " bf16") + ")";
+    ASSERT_EQ(outputs[0][c], outputs[1][c]) << "case " << what << ": the ranks differ";
+    const std::vector<float>& out = outputs[0][c];
+    std::vector<float> want;
+    if (k.kind == kSum) {
+      for (size_t i = 0; i < inputs[0][c].size(); ++i)
+        want.push_back(bf16_to_f32(f32_to_bf16(inputs[0][c][i] + inputs[1][c][i])));
+    } else if (k.kind == kBroadcast) {
+      want = inputs[0][c];
+    } else {
+      want = inputs[0][c];
+      want.insert(want.end(), inputs[1][c].begin(), inputs[1][c].end());
+    }
+    ASSERT_EQ(out.size(), want.size()) << "case " << what;
     size_t wrong = 0;
-    for (size_t i = 0; i < sums[0][c].size(); ++i)
-      wrong += sums[0][c][i] != bf16_to_f32(f32_to_bf16(inputs[0][c][i] + inputs[1][c][i]));
-    EXPECT_EQ(wrong, 0u) << "case " << c << " (" << shapes[c].first << " x " << shapes[c].second << ")";
+    for (size_t i = 0; i < out.size(); ++i) wrong += out[i] != want[i];
+    EXPECT_EQ(wrong, 0u) << "case " << what;
   }
 }
 

@@ -10,7 +10,7 @@
 
 #include "kernels/communicator.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/peer_all_reduce.h"
+#include "kernels/cuda/peer_collectives.h"
 #include "util/error.h"
 
 #define NCCL_CHECK(call)                                                                                 \
@@ -39,7 +39,7 @@ ncclDataType_t nccl_type(const Tensor& t) {
   }
 }
 
-// The group's memory for launch_peer_all_reduce: on each GPU its inbox, flags and call
+// The group's memory for the peer collectives: on each GPU its inbox, acknowledgements and call
 // counts (zeroed), and one host-mapped stop flag. Only where every GPU reaches every other, and
 // for at most kPeerMaxRanks GPUs.
 class PeerMemory {
@@ -54,6 +54,9 @@ class PeerMemory {
     CUDA_CHECK(cudaHostAlloc(&stop_, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
     *stop_ = 0;
     args_.resize(static_cast<size_t>(size));
+    const size_t inbox_bytes = static_cast<size_t>(cuda::kPeerInboxBytesPerPeer) * static_cast<size_t>(size - 1);
+    const size_t acks_bytes = sizeof(uint64_t) * cuda::kPeerMaxBlocks * cuda::kPeerMaxRanks;
+    const size_t calls_bytes = sizeof(uint64_t) * cuda::kPeerMaxBlocks;
     for (int d = 0; d < size; ++d) {
       cuda::DeviceGuard on(d);
       for (int p = 0; p < size; ++p) {
@@ -62,23 +65,15 @@ class PeerMemory {
         if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
         else CUDA_CHECK(e);
       }
-      void* staging = nullptr;
-      void* flags = nullptr;
-      void* calls = nullptr;
-      CUDA_CHECK(cudaMalloc(&staging, sizeof(cuda::bf16) * 2 * cuda::kPeerHalfElems * size));
-      CUDA_CHECK(cudaMalloc(&flags, sizeof(uint32_t) * cuda::kPeerMaxBlocks * cuda::kPeerMaxRanks));
-      CUDA_CHECK(cudaMalloc(&calls, sizeof(uint32_t) * cuda::kPeerMaxBlocks));
-      CUDA_CHECK(cudaMemset(flags, 0, sizeof(uint32_t) * cuda::kPeerMaxBlocks * cuda::kPeerMaxRanks));
-      CUDA_CHECK(cudaMemset(calls, 0, sizeof(uint32_t) * cuda::kPeerMaxBlocks));
+      void* inbox = alloc_zeroed(d, inbox_bytes);
+      void* acks = alloc_zeroed(d, acks_bytes);
+      void* calls = alloc_zeroed(d, calls_bytes);
       CUDA_CHECK(cudaDeviceSynchronize());
-      owned_.push_back({d, staging});
-      owned_.push_back({d, flags});
-      owned_.push_back({d, calls});
       for (int r = 0; r < size; ++r) {
-        args_[static_cast<size_t>(r)].staging[d] = static_cast<cuda::bf16*>(staging);
-        args_[static_cast<size_t>(r)].flags[d] = static_cast<uint32_t*>(flags);
+        args_[static_cast<size_t>(r)].inbox[d] = static_cast<uint4*>(inbox);
+        args_[static_cast<size_t>(r)].acks[d] = static_cast<uint64_t*>(acks);
       }
-      args_[static_cast<size_t>(d)].calls = static_cast<uint32_t*>(calls);
+      args_[static_cast<size_t>(d)].calls = static_cast<uint64_t*>(calls);
       args_[static_cast<size_t>(d)].rank = d;
       args_[static_cast<size_t>(d)].n_ranks = size;
       args_[static_cast<size_t>(d)].stop = stop_;
@@ -92,7 +87,7 @@ class PeerMemory {
     if (stop_) cudaFreeHost(stop_);
   }
   // Null where the GPUs lack peer access.
-  const cuda::PeerAllReduceArgs* args(int rank) const {
+  const cuda::PeerArgs* args(int rank) const {
     return args_.empty() ? nullptr : &args_[static_cast<size_t>(rank)];
   }
   void stop() {
@@ -100,24 +95,31 @@ class PeerMemory {
   }
 
  private:
+  void* alloc_zeroed(int device, size_t bytes) {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, bytes));
+    owned_.push_back({device, p});
+    CUDA_CHECK(cudaMemset(p, 0, bytes));
+    return p;
+  }
   int* stop_ = nullptr;
-  std::vector<cuda::PeerAllReduceArgs> args_;
+  std::vector<cuda::PeerArgs> args_;
   std::vector<std::pair<int, void*>> owned_;
 };
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, const cuda::PeerAllReduceArgs* peer, const std::string* stopped)
+  NcclCommunicator(ncclComm_t comm, const cuda::PeerArgs* peer, const std::string* stopped)
       : comm_(comm), peer_(peer), stopped_(stopped) {}
   void all_reduce_sum(Backend& be, Tensor& t) override {
     auto& c = ready(be, t, "all-reduce");
     const int64_t n = t.rows * t.cols;
-    if (peer_ && t.dtype == DType::BF16 && 2 * n <= cuda::kPeerMaxBytes) {
+    if (peer_ && t.dtype == DType::BF16 && cuda::peer_collective_fits(t.data, 2 * n, cuda::kPeerAllReduceMaxBytes)) {
       c.launch_library([&](cudaStream_t s) { cuda::launch_peer_all_reduce(*peer_, static_cast<cuda::bf16*>(t.data), n, s); });
       return;
     }
     c.launch_library([&](cudaStream_t s) {
-      NCCL_CHECK(ncclAllReduce(t.data, t.data, static_cast<size_t>(t.rows * t.cols), nccl_type(t), ncclSum, comm_, s));
+      NCCL_CHECK(ncclAllReduce(t.data, t.data, static_cast<size_t>(n), nccl_type(t), ncclSum, comm_, s));
     });
   }
   void all_gather(Backend& be, const Tensor& part, Tensor& all) override {
@@ -125,6 +127,12 @@ class NcclCommunicator final : public Communicator {
     ready(be, all, "all-gather");
     check(all.rows % part.rows == 0 && all.cols == part.cols && all.dtype == part.dtype,
           "NCCL all-gather: the result must hold every rank's part");
+    const int64_t bytes = part.rows * part.cols * static_cast<int64_t>(dtype_size(part.dtype));
+    if (peer_ && all.rows == part.rows * peer_->n_ranks && cuda::peer_collective_fits(part.data, bytes, cuda::kPeerMaxBytes) &&
+        reinterpret_cast<uintptr_t>(all.data) % 4 == 0) {
+      c.launch_library([&](cudaStream_t s) { cuda::launch_peer_all_gather(*peer_, part.data, all.data, bytes, s); });
+      return;
+    }
     c.launch_library([&](cudaStream_t s) {
       NCCL_CHECK(ncclAllGather(part.data, all.data, static_cast<size_t>(part.rows * part.cols), nccl_type(part), comm_,
                                s));
@@ -132,6 +140,11 @@ class NcclCommunicator final : public Communicator {
   }
   void broadcast(Backend& be, Tensor& t) override {
     auto& c = ready(be, t, "broadcast");
+    const int64_t bytes = t.rows * t.cols * static_cast<int64_t>(dtype_size(t.dtype));
+    if (peer_ && cuda::peer_collective_fits(t.data, bytes, cuda::kPeerMaxBytes)) {
+      c.launch_library([&](cudaStream_t s) { cuda::launch_peer_broadcast(*peer_, t.data, bytes, s); });
+      return;
+    }
     c.launch_library([&](cudaStream_t s) {
       NCCL_CHECK(ncclBroadcast(t.data, t.data, static_cast<size_t>(t.rows * t.cols), nccl_type(t), 0, comm_, s));
     });
@@ -145,7 +158,7 @@ class NcclCommunicator final : public Communicator {
     return cuda_of(be);
   }
   ncclComm_t comm_;
-  const cuda::PeerAllReduceArgs* peer_;
+  const cuda::PeerArgs* peer_;
   const std::string* stopped_;
 };
 

@@ -1,0 +1,162 @@
+#include "kernels/cuda/peer_collectives.h"
+
+#include <cuda/atomic>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/pdl.cuh"
+
+namespace dflash::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWordsPerThread = static_cast<int>(kPeerBlockWords / kThreads);  // two 16-byte pieces of 2 words
+static_assert(kWordsPerThread == 4, "a thread moves two pieces");
+
+enum class Op { kSum, kGather, kBroadcast };
+
+// The piece of rank r's words [w, w + 2) for this call in rank q's inbox: r's slot there, the half
+// that the call's parity picks.
+__device__ __forceinline__ uint4* piece(const PeerArgs& a, int q, int r, uint64_t call, int64_t w) {
+  const int slot = r < q ? r : r - 1;
+  return a.inbox[q] + (2 * int64_t{slot} + static_cast<int64_t>(call & 1)) * (kPeerMaxWords / 2) + w / 2;
+}
+
+// One 16-byte store: {word, flag, word, flag}. Each 8-byte half arrives whole.
+__device__ __forceinline__ void store_piece(uint4* p, uint32_t d0, uint32_t d1, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag)
+               : "memory");
+}
+
+// Waits until both halves of the piece carry `flag`. The stop flag lives in host memory (a read
+// crosses PCIe): looked at once every 4096 polls; the words are then meaningless.
+__device__ __forceinline__ void load_piece(const uint4* p, uint32_t flag, const volatile int* stop, uint32_t& d0,
+                                           uint32_t& d1) {
+  for (uint32_t polls = 1;; ++polls) {
+    uint32_t x, f0, y, f1;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(x), "=r"(f0), "=r"(y), "=r"(f1)
+                 : "l"(p)
+                 : "memory");
+    if ((f0 == flag && f1 == flag) || (polls % 4096 == 0 && *stop)) {
+      d0 = x, d1 = y;
+      return;
+    }
+  }
+}
+
+// Block b moves words [b * kPeerBlockWords, (b + 1) * kPeerBlockWords) of every rank's data in
+// every call, whatever the size (it writes its whole region, zeros past the end), and meets block
+// b of the other ranks only: no grid-wide synchronization. Its calls are numbered (calls[b], the
+// same sequence on every rank); a word's flag is the call's number, and a call writes the half of
+// the inbox slot that its parity picks. Before it writes a peer's half, a block waits until that
+// peer has finished call - 2 (the last to use the half): every rank acknowledges every call to
+// every peer at its end. An exchange would not need this (a rank that has the peer's words of call
+// c - 1 knows the peer finished c - 2), but a broadcast's root waits for nobody.
+template <Op op>
+__global__ void __launch_bounds__(kThreads) peer_kernel(PeerArgs a, const uint32_t* src, uint32_t* dst,
+                                                        int64_t words) {
+  const int b = blockIdx.x, rank = a.rank, n = a.n_ranks;
+  pdl_begin();  // src is complete; the next kernel may be scheduled (it waits for this one to finish)
+  const uint64_t call = a.calls[b] + 1;
+  const uint32_t flag = static_cast<uint32_t>(call);  // a region's flags are those of call - 2 or newer: never equal
+  const bool sends = op != Op::kBroadcast || rank == 0;
+  const int64_t w0 = int64_t{b} * kPeerBlockWords + int64_t{threadIdx.x} * kWordsPerThread;
+  uint32_t mine[kWordsPerThread] = {0, 0, 0, 0};
+  if (sends) {
+    if (w0 + kWordsPerThread <= words && aligned16(src + w0)) {
+      const uint4 v = *reinterpret_cast<const uint4*>(src + w0);
+      mine[0] = v.x, mine[1] = v.y, mine[2] = v.z, mine[3] = v.w;
+    } else {
+      for (int i = 0; i < kWordsPerThread; ++i)
+        if (w0 + i < words) mine[i] = src[w0 + i];
+    }
+    if (threadIdx.x < n && threadIdx.x != rank) {
+      ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system> done(a.acks[rank][b * kPeerMaxRanks + threadIdx.x]);
+      for (uint32_t polls = 1; done.load(::cuda::memory_order_acquire) + 2 < call; ++polls)
+        if (polls % 4096 == 0 && *a.stop) break;
+    }
+  }
+  __syncthreads();  // every thread has read calls[b]; the peers' halves are free
+  if (threadIdx.x == 0) a.calls[b] = call;
+  if (sends)
+    for (int q = 0; q < n; ++q) {
+      if (q == rank) continue;
+      uint4* to = piece(a, q, rank, call, w0);
+      store_piece(to, mine[0], mine[1], flag);
+      store_piece(to + 1, mine[2], mine[3], flag);
+    }
+  // Rank q's words of this thread (this rank's own from `mine`).
+  auto words_of = [&](int q, uint32_t (&w)[kWordsPerThread]) {
+    if (q == rank) {
+      for (int i = 0; i < kWordsPerThread; ++i) w[i] = mine[i];
+      return;
+    }
+    const uint4* from = piece(a, rank, q, call, w0);
+    if (w0 < words) load_piece(from, flag, a.stop, w[0], w[1]);
+    if (w0 + 2 < words) load_piece(from + 1, flag, a.stop, w[2], w[3]);
+  };
+  if (op == Op::kSum) {
+    float sum[2 * kWordsPerThread] = {};
+    for (int q = 0; q < n; ++q) {
+      uint32_t w[kWordsPerThread] = {0, 0, 0, 0};
+      words_of(q, w);
+      for (int i = 0; i < kWordsPerThread; ++i) {
+        const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+        sum[2 * i] += x.x;
+        sum[2 * i + 1] += x.y;
+      }
+    }
+    for (int i = 0; i < kWordsPerThread; ++i)
+      if (w0 + i < words) {
+        const __nv_bfloat162 y = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
+        dst[w0 + i] = *reinterpret_cast<const uint32_t*>(&y);
+      }
+  } else if (op == Op::kGather) {
+    for (int q = 0; q < n; ++q) {
+      uint32_t w[kWordsPerThread] = {0, 0, 0, 0};
+      words_of(q, w);
+      for (int i = 0; i < kWordsPerThread; ++i)
+        if (w0 + i < words) dst[q * words + w0 + i] = w[i];
+    }
+  } else if (rank != 0) {
+    uint32_t w[kWordsPerThread] = {0, 0, 0, 0};
+    words_of(0, w);
+    for (int i = 0; i < kWordsPerThread; ++i)
+      if (w0 + i < words) dst[w0 + i] = w[i];
+  }
+  __syncthreads();  // every thread has its peers' words
+  if (threadIdx.x < n && threadIdx.x != rank) {
+    ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system> done(a.acks[threadIdx.x][b * kPeerMaxRanks + rank]);
+    done.store(call, ::cuda::memory_order_relaxed);
+  }
+}
+
+template <Op op>
+void launch_op(const PeerArgs& a, const void* src, void* dst, int64_t bytes, cudaStream_t s) {
+  if (bytes == 0) return;
+  const int64_t words = bytes / 4;
+  const int64_t blocks = (words + kPeerBlockWords - 1) / kPeerBlockWords;  // at most kPeerMaxBlocks
+  launch(peer_kernel<op>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), s, a,
+         static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), words);
+}
+
+}  // namespace
+
+bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes) {
+  return bytes % 4 == 0 && bytes <= max_bytes && reinterpret_cast<uintptr_t>(p) % 4 == 0;
+}
+
+void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t s) {
+  launch_op<Op::kSum>(a, t, t, 2 * n, s);
+}
+
+void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int64_t bytes, cudaStream_t s) {
+  launch_op<Op::kGather>(a, part, all, bytes, s);
+}
+
+void launch_peer_broadcast(const PeerArgs& a, void* t, int64_t bytes, cudaStream_t s) {
+  launch_op<Op::kBroadcast>(a, t, t, bytes, s);
+}
+
+}  // namespace dflash::cuda

@@ -1,0 +1,48 @@
+// One-kernel collectives over the GPUs of this process for small tensors (a decode step's
+// [rows, n_embd] partial sums, its logits, the draft's context): all-reduce (bf16 sum), all-gather
+// and broadcast. Each rank stores its data straight into every peer's inbox over NVLink (peer
+// access) in 8-byte words of 4 data bytes and a 4-byte flag (the call's number), so a receiver
+// knows a word has arrived when its flag is the call's: no fence, no separate flag, one trip over
+// NVLink. The all-reduce sums its own tensor and its inbox in rank order in float32: the same bits
+// on every rank, and with two ranks those of NCCL's bf16 sum. Timings in bench/results/README.md
+// ("Tensor parallelism").
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/launch.h"
+
+namespace dflash::cuda {
+
+constexpr int kPeerMaxRanks = 8;
+constexpr int64_t kPeerMaxBytes = int64_t{4} << 20;           // a rank's data in one call; more goes through NCCL
+constexpr int64_t kPeerAllReduceMaxBytes = int64_t{512} << 10;  // all-reduces beyond: NCCL's ring is as fast
+constexpr int64_t kPeerMaxWords = kPeerMaxBytes / 4;          // 4-byte data words
+// Data words a block moves (8 KiB: a 16-row step of 4096 bf16 features takes 16 blocks), the same in every call.
+constexpr int64_t kPeerBlockWords = 2048;
+constexpr int kPeerMaxBlocks = static_cast<int>(kPeerMaxWords / kPeerBlockWords);
+// A rank's inbox: a slot per peer of two halves (calls alternate), each of kPeerMaxWords words of 8 bytes.
+constexpr int64_t kPeerInboxBytesPerPeer = 2 * kPeerMaxWords * 8;
+
+// One rank's view of the group's memory (all device pointers, peers' through peer access).
+struct PeerArgs {
+  uint4* inbox[kPeerMaxRanks];     // each rank's inbox (kPeerInboxBytesPerPeer for each of its peers)
+  uint64_t* acks[kPeerMaxRanks];   // each rank's [block][from rank]: the last call the peer has finished
+  uint64_t* calls = nullptr;       // this rank's count of calls per block
+  const volatile int* stop = nullptr;  // host-mapped: nonzero once the group stopped (waits give up)
+  int rank = 0, n_ranks = 0;
+};
+
+// Every rank calls the same collectives in the same order with the same sizes. Sizes are in bytes,
+// a multiple of 4 and at most kPeerMaxBytes (all-reduce: kPeerAllReduceMaxBytes); pointers 4-byte aligned.
+bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes);
+// t [n bf16, contiguous] = the sum over the ranks of their t.
+void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t s);
+// all = every rank's part (bytes each), rank r's at byte r * bytes.
+void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int64_t bytes, cudaStream_t s);
+// t = rank 0's t.
+void launch_peer_broadcast(const PeerArgs& a, void* t, int64_t bytes, cudaStream_t s);
+
+}  // namespace dflash::cuda

@@ -127,65 +127,66 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   const int n_chunks = (K + kChunk - 1) / kChunk;
   const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
 
-  // The product of M rows with weight rows [n0, n0 + kPerBlock) of w; routed: `pairs` are the rows' pairs.
-  // wait: the kernel's wait comes once the weights' first stages are requested. issued: they are
-  // requested already (the routed form's previous unit did). next_w, next_n0 (routed): the next
-  // unit's weights, whose first stages are requested before this unit's partial sums are added
-  // (next_w null: none).
-  auto product = [&](const bf16* __restrict__ w, int M, const int32_t* pairs, int64_t n0, bool wait, bool issued,
-                     const bf16* next_w, int64_t next_n0) {
-    // Token t's input row and output row.
-    auto x_row = [&](int t) -> int64_t { return kRouted ? pairs[t] / routed.x_div : t; };
-    auto out_row = [&](int t) -> int64_t { return kRouted ? pairs[t] : t; };
-
-    // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
-    // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
-    auto issue_w = [&](int i, const bf16* __restrict__ w, int64_t n0) {
+  // A unit's operands: the weights (rows [n0, n0 + kPerBlock)), the M token rows (routed: `pairs`
+  // are the rows' pairs) and this lane's token rows (token mt * 8 + g; null past M), looked up
+  // once: the routed form reads them from the pair list, which would otherwise put a dependent
+  // load before every chunk's copies.
+  struct Operands {
+    const bf16* w = nullptr;
+    int M = 0;
+    const int32_t* pairs = nullptr;
+    int64_t n0 = 0;
+    const bf16* x_of[kNorm ? 1 : MT] = {};
+  };
+  // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
+  // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
+  auto issue_w = [&](int i, const Operands& o) {
+    if (i >= n_mine) return;
+    const int k0 = (warp + i * kWarps) * kChunk;
+    St& st = ring[i % S];
+#pragma unroll
+    for (int j = 0; j < 2 * RT; ++j) {
+      const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
+      const int64_t f = o.n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
+      const int64_t row = kSwiglu && rt == 1 ? N + f : f;
+      const int k = k0 + part * 8;
+      const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
+      const bf16* src = ok ? o.w + row * w_stride + k : o.w;
+      cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
+    }
+  };
+  auto issue_x = [&](int i, const Operands& o) {
+    if constexpr (!kNorm) {
       if (i >= n_mine) return;
-      const int k0 = (warp + i * kWarps) * kChunk;
+      const int k = (warp + i * kWarps) * kChunk + q * 8;
       St& st = ring[i % S];
 #pragma unroll
-      for (int j = 0; j < 2 * RT; ++j) {
-        const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
-        const int64_t f = n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
-        const int64_t row = kSwiglu && rt == 1 ? N + f : f;
-        const int k = k0 + part * 8;
-        const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
-        const bf16* src = ok ? w + row * w_stride + k : w;
-        cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
-      }
-  };
-    // This lane's token rows (token mt * 8 + g), looked up once: the routed form reads them from
-    // the pair list, which would put a dependent load before every chunk's copies.
-    const bf16* x_of[kNorm ? 1 : MT];
-    if constexpr (!kNorm) {
-#pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const int t = mt * 8 + g;
-        x_of[mt] = t < M ? x + x_row(t) * x_stride : nullptr;
+        const bool ok = o.x_of[mt] && k < K;
+        cp_async16(&st.x[mt][g][q], ok ? o.x_of[mt] + k : x, ok);
       }
     }
-    auto issue_x = [&](int i) {
-      if constexpr (!kNorm) {
-        if (i >= n_mine) return;
-        const int k = (warp + i * kWarps) * kChunk + q * 8;
-        St& st = ring[i % S];
+  };
+  // The first S stages, one cp.async group each: the weights, and the token rows too when they
+  // are complete already (with_x: after the kernel's wait).
+  auto issue_first = [&](const Operands& o, bool with_x) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const bool ok = x_of[mt] && k < K;
-          cp_async16(&st.x[mt][g][q], ok ? x_of[mt] + k : x, ok);
-        }
-      }
-    };
-    // The first S stages' weights, one cp.async group each.
-    auto issue_first = [&](const bf16* __restrict__ w, int64_t n0) {
-#pragma unroll
-      for (int i = 0; i < S; ++i) {
-        issue_w(i, w, n0);
-        cp_async_commit();
-      }
-    };
-    if (!issued) issue_first(w, n0);
+    for (int i = 0; i < S; ++i) {
+      issue_w(i, o);
+      if (with_x) issue_x(i, o);
+      cp_async_commit();
+    }
+  };
+
+  // The product of unit o. wait: the kernel's wait comes once the weights' first stages are
+  // requested. issued: its first stages (weights and token rows) are requested already (the
+  // routed form's previous unit did). next (routed): the next unit, whose first stages are
+  // requested before this unit's partial sums are added (when has_next: next() gives its operands
+  // then); mid() runs once, halfway through the warp's chunks (the routed form reads the next
+  // unit's pairs there, so that they have arrived when next() uses them).
+  auto product = [&](const Operands& o, bool wait, bool issued, bool has_next, auto&& mid, auto&& next) {
+    const int M = o.M;
+    if (!issued) issue_first(o, false);
     if (wait) pdl_begin();
     if constexpr (kNorm) {
       // The weights above are on their way while the rows are normalized.
@@ -201,10 +202,10 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         }
       }
       __syncthreads();
-    } else {
+    } else if (!issued) {
 #pragma unroll
       for (int i = 0; i < S; ++i) {
-        issue_x(i);
+        issue_x(i, o);
         cp_async_commit();
       }
     }
@@ -218,7 +219,9 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         for (int i = 0; i < 4; ++i) acc[rt][mt][i] = 0.0f;
 
     // Warp j sums its chunks j, j + 8, ... in increasing order.
+    const int half = n_mine / 2;
     for (int i = 0; i < n_mine; ++i) {
+      if (i == half) mid();
       cp_async_wait<S - 1>();  // chunk i has landed (later groups may still be in flight)
       __syncwarp();
       const St& st = ring[i % S];
@@ -237,8 +240,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
       }
       __syncwarp();  // every lane has read the stage before it is refilled
-      issue_w(i + S, w, n0);
-      issue_x(i + S);
+      issue_w(i + S, o);
+      issue_x(i + S, o);
       cp_async_commit();
 #pragma unroll
       for (int s = 0; s < 2; ++s)
@@ -254,11 +257,12 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
           }
         }
     }
+    if (n_mine == 0) mid();
     cp_async_wait<0>();
     if constexpr (kRouted) {
-      if (next_w) {
+      if (has_next) {
         __syncwarp();  // every lane has read the ring's last stages
-        issue_first(next_w, next_n0);
+        issue_first(next(), true);
       }
     }
 
@@ -277,7 +281,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     constexpr int kElems = (kSwiglu ? 1 : RT) * MT * 4 * 32;
     for (int e = threadIdx.x; e < kElems; e += kWarps * 32) {
       const int l = e % 32, i = (e / 32) % 4, mt = (e / 128) % MT, rt = e / (128 * MT);
-      const int64_t feature = n0 + rt * 16 + l / 4 + (i >= 2 ? 8 : 0);
+      const int64_t feature = o.n0 + rt * 16 + l / 4 + (i >= 2 ? 8 : 0);
       const int token = mt * 8 + (l % 4) * 2 + (i & 1);
       if (feature >= N || token >= M) continue;
       float sum = 0.0f;
@@ -291,7 +295,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
         if (bias) up += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[N + feature]);
         sum = sum / (1.0f + expf(-sum)) * up;  // float32 gate and up, rounded once below
       }
-      reinterpret_cast<__nv_bfloat16*>(out)[out_row(token) * out_stride + feature] = __float2bfloat16(sum);
+      const int64_t out_row = kRouted ? o.pairs[token] : token;
+      reinterpret_cast<__nv_bfloat16*>(out)[out_row * out_stride + feature] = __float2bfloat16(sum);
     }
   };
 
@@ -305,28 +310,78 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     if (!wait) pdl_begin();
     const int n_units = *routed.n_items * static_cast<int>(gridDim.x);
     const int n_blocks = static_cast<int>(gridDim.x * gridDim.y);
+    // A unit's operands from its item's fields (expert, first pair, pair count) and this lane's
+    // pairs (tokens mt * 8 + g; -1 past the count).
+    auto operands_of = [&](int unit, const int (&item)[3], const int (&pair)[MT]) {
+      Operands o;
+      o.w = w + item[0] * routed.w_step;
+      o.M = item[2];
+      o.pairs = routed.pairs + item[1];
+      o.n0 = static_cast<int64_t>(unit % gridDim.x) * kPerBlock;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        o.x_of[mt] = pair[mt] >= 0 ? x + static_cast<int64_t>(pair[mt] / routed.x_div) * x_stride : nullptr;
+      return o;
+    };
+    auto read_item = [&](int unit, int (&item)[3]) {
+      const int32_t* it = routed.items + 3 * (unit / gridDim.x);
+      item[0] = it[0], item[1] = it[1], item[2] = it[2];
+    };
+    auto read_pairs = [&](const int (&item)[3], int (&pair)[MT]) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int t = mt * 8 + g;
+        pair[mt] = t < item[2] ? routed.pairs[item[1] + t] : -1;
+      }
+    };
+    // Block b's first unit is b; then units n_blocks + counter, each taken when the unit before it
+    // starts. The next unit's item is read then, its pairs halfway through the unit, and its first
+    // stages (weights and token rows) are requested before the unit's partial sums are added: one
+    // round trip (the counter's) between two units' streams instead of four.
     __shared__ int next_s;
-    // Block b's first unit is b (no counter round trip before its first weights); then units
-    // n_blocks + counter, each taken while the unit before it streams, so that its first
-    // weights are requested before that unit's partial sums are added.
-    auto weights_of = [&](int unit) { return w + routed.items[3 * (unit / gridDim.x)] * routed.w_step; };
-    auto n0_of = [&](int unit) { return static_cast<int64_t>(unit % gridDim.x) * kPerBlock; };
+    int unit = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+    Operands cur;
+    if (unit < n_units) {
+      int item[3], pair[MT];
+      read_item(unit, item);
+      read_pairs(item, pair);
+      cur = operands_of(unit, item, pair);
+    }
     bool issued = false;
-    for (int unit = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x); unit < n_units;) {
+    while (unit < n_units) {
       if (threadIdx.x == 0) next_s = n_blocks + atomicAdd(routed.next_unit, 1);
       __syncthreads();  // next_s is set (the product's first barrier comes after its main loop)
       const int next = next_s;
-      const int32_t* item = routed.items + 3 * (unit / gridDim.x);
-      product(weights_of(unit), item[2], routed.pairs + item[1], n0_of(unit), wait, issued,
-              next < n_units ? weights_of(next) : nullptr, next < n_units ? n0_of(next) : 0);
+      const bool has_next = next < n_units;
+      int item[3] = {0, 0, 0}, pair[MT];
+      if (has_next) read_item(next, item);
+      Operands nxt;
+      product(
+          cur, wait, issued, has_next, [&] { read_pairs(item, pair); },
+          [&] {
+            nxt = operands_of(next, item, pair);
+            return nxt;
+          });
       wait = false;
-      issued = next < n_units;
+      issued = has_next;
       unit = next;
+      cur = nxt;
       __syncthreads();  // every thread has read next_s and finished the unit's epilogue
     }
     if (wait) pdl_begin();  // a block without units waits too
   } else {
-    product(w, M, nullptr, static_cast<int64_t>(blockIdx.x) * kPerBlock, true, false, nullptr, 0);
+    Operands o;
+    o.w = w;
+    o.M = M;
+    o.n0 = static_cast<int64_t>(blockIdx.x) * kPerBlock;
+    if constexpr (!kNorm) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int t = mt * 8 + g;
+        o.x_of[mt] = t < M ? x + static_cast<int64_t>(t) * x_stride : nullptr;
+      }
+    }
+    product(o, true, false, false, [] {}, [&] { return o; });
   }
 }
 

@@ -139,7 +139,7 @@ TEST_F(CudaTensorParallel, ServingWithGraphsOverTwoGpusEqualsGenerateOpByOp) {
 // Two ranks run a sequence of collectives of changing kinds, types and sizes, through the peer
 // kernels (up to their limits, whole and partial blocks, calls alternating halves of the inboxes)
 // and through NCCL beyond them (sizes not a multiple of 4 bytes, all-reduces over 512 KiB, gathers
-// and broadcasts over 4 MiB). Sums: every element is the float32 sum of the two bf16 values rounded
+// and broadcasts over 4 MiB or over what the GPU holds at once). Sums: every element is the float32 sum of the two bf16 values rounded
 // once, the same on both ranks. Gathers: every rank's part, in rank order. Broadcasts: rank 0's
 // tensor, also in runs of broadcasts with nothing else between them (rank 0 then waits for nobody's
 // data, only for the other rank to have finished the call that last used the inbox half).
@@ -154,8 +154,9 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
                              {kSum, 16, 4096, false},     {kSum, 64, 4096, false},    {kSum, 65, 4096, false},
                              {kSum, 1, 4096, false},      {kSum, 1, 3, false},        {kGather, 16, 75968, false},
                              {kGather, 1, 75968, false},  {kGather, 3, 5, true},      {kGather, 2, 7, false},
-                             {kGather, 32, 75968, false}, {kBroadcast, 16, 4096, false}, {kBroadcast, 1, 16, true},
-                             {kBroadcast, 1, 5, false},   {kBroadcast, 300, 4096, false}};
+                             {kGather, 32, 75968, false}, {kGather, 1, 3, false},     {kBroadcast, 16, 4096, false},
+                             {kBroadcast, 1, 16, true},   {kBroadcast, 1, 5, false},  {kBroadcast, 300, 4096, false},
+                             {kBroadcast, 600, 4096, false}};
   // Sizes that change from call to call, with nothing but the collectives between the ranks (each
   // rank only waits for its own copies): a call must never overwrite what a peer's previous call
   // is still reading, whatever the two sizes.

@@ -1,5 +1,6 @@
 #include "kernels/cuda/peer_collectives.h"
 
+#include <algorithm>
 #include <cuda/atomic>
 
 #include "kernels/cuda/cuda_check.h"
@@ -125,7 +126,10 @@ __global__ void __launch_bounds__(kThreads) peer_kernel(PeerArgs a, const uint32
     for (int i = 0; i < kWordsPerThread; ++i)
       if (w0 + i < words) dst[w0 + i] = w[i];
   }
-  __syncthreads();  // every thread has its peers' words
+  // Every thread has its peers' words: the loads have returned their values (used above), so the
+  // acknowledgement may be a relaxed store (a release at system scope would first wait for this
+  // block's stores to the peers to be acknowledged over NVLink).
+  __syncthreads();
   if (threadIdx.x < n && threadIdx.x != rank) {
     ::cuda::atomic_ref<uint64_t, ::cuda::thread_scope_system> done(a.acks[threadIdx.x][b * kPeerMaxRanks + rank]);
     done.store(call, ::cuda::memory_order_relaxed);
@@ -143,8 +147,29 @@ void launch_op(const PeerArgs& a, const void* src, void* dst, int64_t bytes, cud
 
 }  // namespace
 
+// A block waits for the same block of the other ranks, so a call's blocks must all be on the GPU
+// at once (with more, progress would rest on the order in which the GPU places blocks): at most
+// as many as the kernels' occupancy allows on every SM (the ranks' GPUs are of one kind).
+int64_t peer_collective_max_bytes() {
+  static const int64_t bytes = [] {
+    int device = 0, sms = 0, fewest = kPeerMaxBlocks;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    for (const void* k : {reinterpret_cast<const void*>(peer_kernel<Op::kSum>),
+                          reinterpret_cast<const void*>(peer_kernel<Op::kGather>),
+                          reinterpret_cast<const void*>(peer_kernel<Op::kBroadcast>)}) {
+      int per_sm = 0;
+      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kThreads, 0));
+      fewest = std::min(fewest, per_sm * sms);
+    }
+    return std::min(kPeerMaxBytes, int64_t{fewest} * kPeerBlockWords * 4);
+  }();
+  return bytes;
+}
+
 bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes) {
-  return bytes % 4 == 0 && bytes <= max_bytes && reinterpret_cast<uintptr_t>(p) % 4 == 0;
+  return bytes % 4 == 0 && bytes <= std::min(max_bytes, peer_collective_max_bytes()) &&
+         reinterpret_cast<uintptr_t>(p) % 4 == 0;
 }
 
 void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t s) {

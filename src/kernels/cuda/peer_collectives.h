@@ -36,8 +36,10 @@ struct PeerArgs {
 };
 
 // Every rank calls the same collectives in the same order with the same sizes. Sizes are in bytes,
-// a multiple of 4 and at most kPeerMaxBytes (all-reduce: kPeerAllReduceMaxBytes); pointers 4-byte aligned.
+// a multiple of 4 and at most max_bytes (kPeerMaxBytes, all-reduce: kPeerAllReduceMaxBytes) and
+// what the GPU holds at once (peer_collective_max_bytes); pointers 4-byte aligned.
 bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes);
+int64_t peer_collective_max_bytes();
 // t [n bf16, contiguous] = the sum over the ranks of their t.
 void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t s);
 // all = every rank's part (bytes each), rank r's at byte r * bytes.

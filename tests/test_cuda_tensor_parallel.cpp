@@ -138,11 +138,12 @@ TEST_F(CudaTensorParallel, ServingWithGraphsOverTwoGpusEqualsGenerateOpByOp) {
 
 // Two ranks run a sequence of collectives of changing kinds, types and sizes, through the peer
 // kernels (up to their limits, whole and partial blocks, calls alternating halves of the inboxes)
-// and through NCCL beyond them (sizes not a multiple of 4 bytes, all-reduces over 512 KiB, gathers
-// and broadcasts over 4 MiB or over what the GPU holds at once). Sums: every element is the float32 sum of the two bf16 values rounded
-// once, the same on both ranks. Gathers: every rank's part, in rank order. Broadcasts: rank 0's
-// tensor, also in runs of broadcasts with nothing else between them (rank 0 then waits for nobody's
-// data, only for the other rank to have finished the call that last used the inbox half).
+// and through NCCL beyond them (sizes or rows not a multiple of 4 bytes, all-reduces over 512 KiB,
+// gathers and broadcasts over 4 MiB or over what the GPU holds at once). Sums: every element is
+// the float32 sum of the two bf16 values rounded once, the same on both ranks. Gathers: each row
+// holds the ranks' rows side by side, in rank order. Broadcasts: rank 0's tensor, also in runs of
+// broadcasts with nothing else between them (rank 0 then waits for nobody's data, only for the
+// other rank to have finished the call that last used the inbox half).
 TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
   enum Kind { kSum, kGather, kBroadcast };
   struct Case {
@@ -191,7 +192,7 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
         comm.broadcast(be, t);
         outputs[r].push_back(be.to_host(t));
       } else {
-        Tensor all = k.f32 ? be.alloc_f32(2 * k.rows, k.cols) : be.alloc(2 * k.rows, k.cols);
+        Tensor all = k.f32 ? be.alloc_f32(k.rows, 2 * k.cols) : be.alloc(k.rows, 2 * k.cols);
         comm.all_gather(be, t, all);
         outputs[r].push_back(be.to_host(all));
       }
@@ -221,9 +222,10 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
         want.push_back(bf16_to_f32(f32_to_bf16(inputs[0][c][i] + inputs[1][c][i])));
     } else if (k.kind == kBroadcast) {
       want = inputs[0][c];
-    } else {
-      want = inputs[0][c];
-      want.insert(want.end(), inputs[1][c].begin(), inputs[1][c].end());
+    } else {  // row i: rank 0's row i, then rank 1's
+      for (int64_t i = 0; i < k.rows; ++i)
+        for (int r = 0; r < 2; ++r)
+          want.insert(want.end(), inputs[r][c].begin() + i * k.cols, inputs[r][c].begin() + (i + 1) * k.cols);
     }
     ASSERT_EQ(out.size(), want.size()) << "case " << what;
     size_t wrong = 0;

@@ -18,7 +18,8 @@ class Communicator {
   virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
   // t = rank 0's t (same shape on every rank).
   virtual void broadcast(Backend& be, Tensor& t) = 0;
-  // all [size * part.rows, part.cols] = every rank's part, rank r's at rows r * part.rows.
+  // all [part.rows, size * part.cols]: row i holds row i of every rank's part side by side, rank
+  // r's at columns r * part.cols (a vocabulary split's logits into whole rows).
   virtual void all_gather(Backend& be, const Tensor& part, Tensor& all) = 0;
 };
 

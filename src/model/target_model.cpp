@@ -221,16 +221,8 @@ bool TargetModel::vocab_split() const { return w_.lm_head_part.rows < cfg_.n_voc
 Tensor TargetModel::logits_of(const Tensor& normed, const std::vector<int32_t>& which) {
   const Tensor part = lm_head_rows(be_, normed, which, w_.lm_head_part);
   if (!vocab_split() || part.rows == 0) return part;
-  // Every rank's logits of its part of the vocabulary, side by side.
-  Tensor all = be_.alloc(part.rows * n_ranks_, part.cols);
-  comm_->all_gather(be_, part, all);
-  Tensor logits = be_.alloc(part.rows, cfg_.n_vocab);
-  std::vector<int32_t> rows(static_cast<size_t>(part.rows));
-  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
-  for (int r = 0; r < n_ranks_; ++r) {
-    Tensor cols = logits.slice_cols(r * part.cols, part.cols);
-    be_.gather_rows(all.slice_rows(r * part.rows, part.rows), rows, cols);
-  }
+  Tensor logits = be_.alloc(part.rows, cfg_.n_vocab);  // every rank's part of the vocabulary, side by side
+  comm_->all_gather(be_, part, logits);
   return logits;
 }
 

@@ -97,17 +97,17 @@ void HostCommunicator::broadcast(Backend& be, Tensor& t) {
 
 void HostCommunicator::all_gather(Backend& be, const Tensor& part, Tensor& all) {
   check(be.name() == "cpu", "host tensor parallelism runs on CPU backends");
-  check(all.rows == part.rows * group_.size_ && all.cols == part.cols && all.dtype == part.dtype,
-        "all_gather: the result must hold every rank's part");
+  check(all.rows == part.rows && all.cols == part.cols * group_.size_ && all.dtype == part.dtype,
+        "all_gather: the result must hold every rank's part side by side");
   group_.published_[static_cast<size_t>(rank_)] = &part;
   group_.arrive_and_wait();  // every rank's part is in place
-  const size_t row_bytes = static_cast<size_t>(part.cols) * dtype_size(part.dtype);
+  const size_t elem = dtype_size(part.dtype), row_bytes = static_cast<size_t>(part.cols) * elem;
   for (int r = 0; r < group_.size_; ++r) {
     const Tensor& p = *group_.published_[static_cast<size_t>(r)];
     check(p.rows == part.rows && p.cols == part.cols, "tensor parallel ranks gather tensors of different shapes");
     for (int64_t i = 0; i < p.rows; ++i)
-      std::memcpy(static_cast<char*>(all.data) + (r * p.rows + i) * all.stride * dtype_size(all.dtype),
-                  static_cast<const char*>(p.data) + i * p.stride * dtype_size(p.dtype), row_bytes);
+      std::memcpy(static_cast<char*>(all.data) + (i * all.stride + r * p.cols) * elem,
+                  static_cast<const char*>(p.data) + i * p.stride * elem, row_bytes);
   }
   group_.arrive_and_wait();  // every rank has read every rank's part
 }

@@ -125,18 +125,33 @@ class NcclCommunicator final : public Communicator {
   void all_gather(Backend& be, const Tensor& part, Tensor& all) override {
     auto& c = ready(be, part, "all-gather");
     ready(be, all, "all-gather");
-    check(all.rows % part.rows == 0 && all.cols == part.cols && all.dtype == part.dtype,
-          "NCCL all-gather: the result must hold every rank's part");
-    const int64_t bytes = part.rows * part.cols * static_cast<int64_t>(dtype_size(part.dtype));
-    if (peer_ && all.rows == part.rows * peer_->n_ranks && cuda::peer_collective_fits(part.data, bytes, cuda::kPeerMaxBytes) &&
+    int n_ranks = 0;
+    NCCL_CHECK(ncclCommCount(comm_, &n_ranks));
+    check(all.rows == part.rows && all.cols == part.cols * n_ranks && all.dtype == part.dtype,
+          "all-gather: the result must hold every rank's part side by side");
+    const int64_t elem = static_cast<int64_t>(dtype_size(part.dtype)), row_bytes = part.cols * elem;
+    if (peer_ && row_bytes % 4 == 0 && cuda::peer_collective_fits(part.data, part.rows * row_bytes, cuda::kPeerMaxBytes) &&
         reinterpret_cast<uintptr_t>(all.data) % 4 == 0) {
-      c.launch_library([&](cudaStream_t s) { cuda::launch_peer_all_gather(*peer_, part.data, all.data, bytes, s); });
+      c.launch_library([&](cudaStream_t s) {
+        cuda::launch_peer_all_gather(*peer_, part.data, all.data, part.rows, row_bytes, all.stride * elem, s);
+      });
       return;
     }
+    // NCCL stacks the parts; their rows then go to their columns.
+    check(part.dtype == DType::BF16 || part.dtype == DType::F32, "all-gather: unsupported tensor type ",
+          dtype_name(part.dtype));
+    Tensor stacked = part.dtype == DType::F32 ? be.alloc_f32(n_ranks * part.rows, part.cols)
+                                              : be.alloc(n_ranks * part.rows, part.cols);
     c.launch_library([&](cudaStream_t s) {
-      NCCL_CHECK(ncclAllGather(part.data, all.data, static_cast<size_t>(part.rows * part.cols), nccl_type(part), comm_,
-                               s));
+      NCCL_CHECK(ncclAllGather(part.data, stacked.data, static_cast<size_t>(part.rows * part.cols), nccl_type(part),
+                               comm_, s));
     });
+    std::vector<int32_t> rows(static_cast<size_t>(part.rows));
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(i);
+    for (int r = 0; r < n_ranks; ++r) {
+      Tensor cols = all.slice_cols(r * part.cols, part.cols);
+      be.gather_rows(stacked.slice_rows(r * part.rows, part.rows), rows, cols);
+    }
   }
   void broadcast(Backend& be, Tensor& t) override {
     auto& c = ready(be, t, "broadcast");

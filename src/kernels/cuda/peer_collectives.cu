@@ -55,8 +55,10 @@ __device__ __forceinline__ void load_piece(const uint4* p, uint32_t flag, const 
 // every peer at its end. An exchange would not need this (a rank that has the peer's words of call
 // c - 1 knows the peer finished c - 2), but a broadcast's root waits for nobody.
 template <Op op>
+// kGather: rank q's word w goes to dst[(w / row_words) * dst_row_words + q * row_words + w % row_words]
+// (its part's rows side by side with the other ranks' in each row of dst).
 __global__ void __launch_bounds__(kThreads) peer_kernel(PeerArgs a, const uint32_t* src, uint32_t* dst,
-                                                        int64_t words) {
+                                                        int64_t words, int64_t row_words, int64_t dst_row_words) {
   const int b = blockIdx.x, rank = a.rank, n = a.n_ranks;
   pdl_begin();  // src is complete; the next kernel may be scheduled (it waits for this one to finish)
   const uint64_t call = a.calls[b] + 1;
@@ -118,7 +120,10 @@ __global__ void __launch_bounds__(kThreads) peer_kernel(PeerArgs a, const uint32
       uint32_t w[kWordsPerThread] = {0, 0, 0, 0};
       words_of(q, w);
       for (int i = 0; i < kWordsPerThread; ++i)
-        if (w0 + i < words) dst[q * words + w0 + i] = w[i];
+        if (w0 + i < words) {
+          const int64_t at = w0 + i, row = at / row_words;
+          dst[row * dst_row_words + q * row_words + (at - row * row_words)] = w[i];
+        }
     }
   } else if (rank != 0) {
     uint32_t w[kWordsPerThread] = {0, 0, 0, 0};
@@ -137,12 +142,13 @@ __global__ void __launch_bounds__(kThreads) peer_kernel(PeerArgs a, const uint32
 }
 
 template <Op op>
-void launch_op(const PeerArgs& a, const void* src, void* dst, int64_t bytes, cudaStream_t s) {
+void launch_op(const PeerArgs& a, const void* src, void* dst, int64_t bytes, cudaStream_t s, int64_t row_bytes = 4,
+               int64_t dst_row_bytes = 4) {
   if (bytes == 0) return;
   const int64_t words = bytes / 4;
   const int64_t blocks = (words + kPeerBlockWords - 1) / kPeerBlockWords;  // at most kPeerMaxBlocks
   launch(peer_kernel<op>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), s, a,
-         static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), words);
+         static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), words, row_bytes / 4, dst_row_bytes / 4);
 }
 
 }  // namespace
@@ -176,8 +182,9 @@ void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t 
   launch_op<Op::kSum>(a, t, t, 2 * n, s);
 }
 
-void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int64_t bytes, cudaStream_t s) {
-  launch_op<Op::kGather>(a, part, all, bytes, s);
+void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int64_t rows, int64_t row_bytes,
+                            int64_t all_row_bytes, cudaStream_t s) {
+  launch_op<Op::kGather>(a, part, all, rows * row_bytes, s, row_bytes, all_row_bytes);
 }
 
 void launch_peer_broadcast(const PeerArgs& a, void* t, int64_t bytes, cudaStream_t s) {

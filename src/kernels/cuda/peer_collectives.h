@@ -42,8 +42,10 @@ bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes);
 int64_t peer_collective_max_bytes();
 // t [n bf16, contiguous] = the sum over the ranks of their t.
 void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t s);
-// all = every rank's part (bytes each), rank r's at byte r * bytes.
-void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int64_t bytes, cudaStream_t s);
+// Row i of all (all_row_bytes apart) = row i of every rank's part (rows of row_bytes, contiguous) side
+// by side, rank r's at byte r * row_bytes of the row. row_bytes and all_row_bytes: multiples of 4.
+void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int64_t rows, int64_t row_bytes,
+                            int64_t all_row_bytes, cudaStream_t s);
 // t = rank 0's t.
 void launch_peer_broadcast(const PeerArgs& a, void* t, int64_t bytes, cudaStream_t s);
 

@@ -1065,8 +1065,10 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
       const std::vector<float> cc(ch.begin() + int64_t{r} * c.h, ch.begin() + int64_t{r + 1} * c.h);
       // Rounding points: the output's bf16 rounding alone is about 6e-4 (relative L2); an activation
       // or expert output that float32 sums round the other way from float64 moves its terms by 2^-8.
-      // A row of 520 at h 512 reached 3.1e-3 (H200, one of many random draws).
-      EXPECT_LE(test::rel_l2_error(g, std::vector<float>(ref.begin(), ref.end())), 4e-3) << what << ", row " << r;
+      // A row of 520 at h 512 reached 3.1e-3 (H200, one of many random draws), a row of 600 at h
+      // 128, top 2 of 4, 4.3e-3 (H100): with few terms a row, a few such flips weigh more. A wrong
+      // expert or weight moves a row by far more (order 1).
+      EXPECT_LE(test::rel_l2_error(g, std::vector<float>(ref.begin(), ref.end())), 6e-3) << what << ", row " << r;
       EXPECT_LE(test::rel_l2_error(g, cc), 1e-1) << what << ", row " << r << " against the CPU backend";
     }
     EXPECT_GE(safe, (c.m + 1) / 2) << what << ": too few rows with a clear routing to compare";
@@ -1169,7 +1171,9 @@ TEST_F(CudaOps, NormMoeOfOneTokenGivesTheStepsBits) {
       Tensor ro2 = residual(1), h2 = gpu->alloc(1, c.h), out2 = gpu->alloc(1, c.h);
       Tensor n1 = gpu->alloc_ids(c.n_experts), n2 = gpu->alloc_ids(c.n_experts);
       auto y = poisoned(c.top_k, c.h);
-      MoeScratch scratch{gpu->alloc(c.top_k, c.ff), y.g};
+      MoeScratch scratch;
+      scratch.act = gpu->alloc(c.top_k, c.ff);
+      scratch.y = y.g;
       run(true, rr, dr, ro1, h1, out1, &n1, &scratch);
       run(false, rr, dr, ro2, h2, out2, &n2, nullptr);
       for (float v : gpu->to_host(y.g)) ASSERT_TRUE(std::isnan(v)) << row << ": the steps ran, not the one-token kernels";
@@ -1194,6 +1198,60 @@ TEST_F(CudaOps, NormMoeOfOneTokenGivesTheStepsBits) {
         EXPECT_EQ(gpu->to_host(d4), gpu->to_host(out1)) << row << ": output over the delta";
       }
     }
+  }
+}
+
+// A routed MLP whose weighted sum the backend defers (MoeScratch::defer_sum) to the RMSNorm after
+// it: the norm writes the sum into the output as it reads it, with the combine kernel's bits, and
+// the normalized rows, the new residual and the capture are those of the undeferred steps. Where
+// no norm reads it first, finish_moe_sum writes the same output.
+TEST_F(CudaOps, DeferredMoeSumInTheNextNormGivesTheCombinesBits) {
+  struct Case {
+    int m, h, n_experts, top_k, ff;
+    bool f32;
+  };
+  for (const Case c : {Case{16, 2048, 128, 8, 768, true}, Case{3, 256, 16, 4, 64, false}, Case{24, 512, 40, 6, 96, true},
+                       Case{9, 128, 8, 1, 32, false}}) {
+    const std::string what = std::to_string(c.m) + " rows, top " + std::to_string(c.top_k) + " of " +
+                             std::to_string(c.n_experts) + ", h " + std::to_string(c.h) + (c.f32 ? ", f32" : ", bf16");
+    const MoePairs moe = random_moe(c.h, c.n_experts, c.top_k, c.ff, true);
+    const MoeWeights w = moe.on(true);
+    auto x = random(c.m, c.h), res = c.f32 ? random_f32(c.m, c.h, 3.0f) : random(c.m, c.h, 3.0f);
+    auto norm_w = random(1, c.h);
+    auto residual = [&] { return c.f32 ? gpu->alloc_f32(c.m, c.h) : gpu->alloc(c.m, c.h); };
+    auto scratch = [&](bool defer) {
+      MoeScratch s;
+      s.act = gpu->alloc(int64_t{c.m} * c.top_k, c.ff);
+      s.y = gpu->alloc(int64_t{c.m} * c.top_k, c.h);
+      s.defer_sum = defer;
+      return s;
+    };
+    struct Out {
+      Pair delta, h, cap;
+      Tensor ro;
+    };
+    auto run = [&](bool defer) {
+      Out o{poisoned(c.m, c.h), poisoned(c.m, c.h), poisoned(c.m, c.h), residual()};
+      MoeScratch s = scratch(defer);
+      gpu->moe(x.g, w, o.delta.g, nullptr, &s);
+      EXPECT_EQ(s.sum_deferred, defer) << what;
+      const ResidualNorm n{&res.g, &o.delta.g, &o.ro, &norm_w.g, 1e-6f, &o.cap.g, defer ? &s : nullptr};
+      gpu->norm_in(n, o.h.g);
+      EXPECT_FALSE(s.sum_deferred) << what << ": the norm took the sum";
+      return o;
+    };
+    const Out steps = run(false), deferred = run(true);
+    EXPECT_EQ(gpu->to_host(deferred.delta.g), gpu->to_host(steps.delta.g)) << what << ": output";
+    EXPECT_EQ(gpu->to_host(deferred.h.g), gpu->to_host(steps.h.g)) << what << ": normalized rows";
+    EXPECT_EQ(gpu->to_host(deferred.ro), gpu->to_host(steps.ro)) << what << ": residual";
+    EXPECT_EQ(gpu->to_host(deferred.cap.g), gpu->to_host(steps.cap.g)) << what << ": capture";
+    // No norm: the backend writes the output when asked.
+    auto out = poisoned(c.m, c.h);
+    MoeScratch s = scratch(true);
+    gpu->moe(x.g, w, out.g, nullptr, &s);
+    gpu->finish_moe_sum(s, out.g);
+    EXPECT_FALSE(s.sum_deferred) << what;
+    EXPECT_EQ(gpu->to_host(out.g), gpu->to_host(steps.delta.g)) << what << ": finish_moe_sum";
   }
 }
 

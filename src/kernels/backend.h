@@ -22,6 +22,7 @@
 namespace dflash {
 
 class GraphPeers;
+struct MoeScratch;
 
 // Per-sequence state of Gated DeltaNet layers (Qwen3.5), one slot per running sequence. The state
 // of a slot covers its sequence's committed rows; the tape holds the rows of its last forward that
@@ -104,6 +105,9 @@ struct ResidualNorm {
   // With delta: residual_out's rows also go here, rounded to the activation type (gather_rows'
   // result; e.g. a column slice of the target's captured layer outputs).
   Tensor* capture = nullptr;
+  // delta is a routed MLP's output whose sum the backend deferred (MoeScratch::sum_deferred): it
+  // is written first, by the kernel that reads it or by finish_moe_sum.
+  MoeScratch* moe_sum = nullptr;
 };
 
 // Row groups of a weight: `count` groups of `rows` rows, group g starting at row first + g * step.
@@ -128,6 +132,14 @@ struct MoeWeights {
 // layers shares one).
 struct MoeScratch {
   Tensor act, y;
+  // Set by the caller: the output goes only to the next ResidualNorm (ResidualNorm::moe_sum), so
+  // the backend may leave the weighted sum of the experts' outputs to the kernel that reads it.
+  bool defer_sum = false;
+  // Set by the backend when it did: the output is not written yet; its row t is the sum over
+  // j < top_k, in order, of weight_of_pair[t * top_k + j] * y[t * top_k + j].
+  bool sum_deferred = false;
+  Tensor weight_of_pair;
+  int top_k = 0;
 };
 
 // Shape of an upload: checkpoint tensors stacked along rows (2-D, same column
@@ -223,6 +235,12 @@ class Backend {
     else matmul(h, w, bias, out);
   }
   virtual void norm_in(const ResidualNorm& n, Tensor& h) {
+    if (n.moe_sum && n.moe_sum->sum_deferred) {
+      finish_moe_sum(*n.moe_sum, *n.delta);
+      ResidualNorm written = n;
+      written.moe_sum = nullptr;
+      return norm_in(written, h);
+    }
     if (n.delta) {
       add_rms_norm(*n.residual, *n.delta, *n.residual_out, *n.weight, n.eps, h);
       if (n.capture) capture_rows(*n.residual_out, *n.capture);
@@ -307,6 +325,13 @@ class Backend {
                         Tensor* expert_rows = nullptr, MoeScratch* scratch = nullptr) {
     norm_in(n, h);
     moe(h, w, out, expert_rows, scratch);
+  }
+  // Writes out = the sum that moe left deferred in s (MoeScratch::sum_deferred), which it clears.
+  // Only backends that defer it implement this.
+  virtual void finish_moe_sum(MoeScratch& s, const Tensor& out) {
+    (void)out;
+    s.sum_deferred = false;
+    throw std::logic_error("finish_moe_sum: this backend never defers a routed MLP's sum");
   }
   // Qwen3.5's Gated DeltaNet over proj = [q|k|v (conv_dim) | z (value_dim) | b (n_v) | a (n_v)] per
   // row (the layer's input projections), per segment on its slot of `cache` (layer `layer`):

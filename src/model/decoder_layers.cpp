@@ -389,15 +389,18 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
         slices.push_back(in.captured->slice_cols(static_cast<int64_t>(k_idx) * c.n_embd, c.n_embd));
     return slices;
   };
+  // A routed MLP's output whose weighted sum the backend left to the next layer's norm.
+  MoeScratch* pending_sum = nullptr;
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
     // delta holds the previous layer's MLP output, not yet added to the stream; the norm that adds
     // it also writes the previous layer's output to the features when that layer is captured.
     std::vector<Tensor> captures = l > 0 ? capture_slices(l - 1) : std::vector<Tensor>{};
     ResidualNorm attn_in{cur, l > 0 ? &delta : nullptr, l > 0 ? next : nullptr, &w.attn_norm, c.rms_norm_eps,
-                         captures.empty() ? nullptr : &captures[0]};
+                         captures.empty() ? nullptr : &captures[0], pending_sum};
     if (w.is_linear()) be.norm_matmul(attn_in, h, w.linear_in, nullptr, t.proj);
     else be.norm_matmul(attn_in, h, w.qkv, opt(w.qkv_bias), t.qkv);
+    pending_sum = nullptr;
     if (l > 0) {
       std::swap(cur, next);
       for (size_t i = 1; i < captures.size(); ++i) be.capture_rows(*cur, captures[i]);  // a layer listed twice
@@ -405,7 +408,12 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     token_mixer(be, c, w, l, in, t);
     ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps};
     if (!w.moe.empty()) {
+      // The output goes only to the next layer's norm unless it is summed over ranks, gets the
+      // shared expert, or is the last layer's.
+      t.moe.defer_sum = !in.comm && w.shared_gate.empty() && l + 1 < layers.size();
       be.norm_moe(mlp_in, h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr, &t.moe);
+      t.moe.defer_sum = false;
+      if (t.moe.sum_deferred) pending_sum = &t.moe;
       std::swap(cur, next);
       if (!w.shared_gate.empty()) {  // Qwen3.5-MoE: + sigmoid(h . gate) * shared_expert(h)
         be.matmul_swiglu(h, w.shared_gate_up, nullptr, t.shared_gate_up, t.shared_act);

@@ -108,7 +108,8 @@ class CudaBackend final : public Backend {
   void moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
            MoeScratch* scratch) override;  // cuda_moe_ops.cpp
   void norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
-                MoeScratch* scratch) override;  // cuda_moe_ops.cpp
+                MoeScratch* scratch) override;
+  void finish_moe_sum(MoeScratch& s, const Tensor& out) override;  // cuda_moe_ops.cpp
   // Qwen3.5 (cuda_hybrid_ops.cpp)
   bool has_gated_delta_net() const override { return true; }
   void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,

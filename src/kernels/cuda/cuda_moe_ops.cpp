@@ -82,9 +82,25 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
     if (wide) launch_moe_gemm(mat(act), e.down, mat(y), rows, /*swiglu=*/false, max_items, s);
     else launch_skinny_gemm_routed(mat(act), e.down, mat(y), rows, /*swiglu=*/false, tile, max_items, s);
   });
+  if (scratch && scratch->defer_sum) {  // the next RMSNorm sums the experts' outputs as it reads them
+    scratch->sum_deferred = true;
+    scratch->weight_of_pair = weight_of_pair;
+    scratch->top_k = w.top_k;
+    return;
+  }
   staging_.launch([&](cudaStream_t s) {
     launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);
   });
+}
+
+void CudaBackend::finish_moe_sum(MoeScratch& ms, const Tensor& out) {
+  check(ms.sum_deferred, "cuda backend: no routed MLP sum is deferred");
+  require_bf16(out, "moe output");
+  const Tensor y = ms.y.slice_rows(0, out.rows * ms.top_k);
+  staging_.launch([&](cudaStream_t s) {
+    launch_moe_combine(mat(y), static_cast<const float*>(ms.weight_of_pair.data), ms.top_k, mat(out), s);
+  });
+  ms.sum_deferred = false;
 }
 
 // One token (decode at batch 1): three kernels instead of six (H100, 30B-A3B shape, plain batch
@@ -104,6 +120,7 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
                                        scratch->act.stride % 8 == 0 &&
                                        reinterpret_cast<uintptr_t>(scratch->act.data) % 16 == 0));
   if (!one_token) return Backend::norm_moe(n, h, w, out, expert_rows, scratch);
+  if (n.moe_sum && n.moe_sum->sum_deferred) finish_moe_sum(*n.moe_sum, *n.delta);  // every kernel reads delta
   check_moe(h, w, out, expert_rows);
   require_bf16(out, "moe output");
   check(!expert_rows || expert_rows->stride == 1, "cuda backend: expert_rows must be contiguous");

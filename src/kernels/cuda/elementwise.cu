@@ -113,14 +113,31 @@ __global__ void add_rms_norm_kernel(const R* res, int64_t res_stride, const bf16
 // waits for the norm to finish all the same. H100, bench-step at context 512: the DFlash step
 // 7.70 -> 7.52 ms at batch 1, plain batch 8 6.34 -> 6.23 ms, batch 1 unchanged (its norms are
 // inside the products).
+// With sum.y (kAdd): delta's row is first written as the routed MLP's weighted sum (MoeSum), each
+// thread storing the pieces that norm_row then has it read back: no combine kernel before it.
 template <bool kAdd, typename R>
 __global__ void __launch_bounds__(kRowThreads)
     rms_norm_vec_kernel(const R* res, int64_t res_stride, const bf16* delta, int64_t delta_stride, R* res_out,
                         int64_t res_out_stride, const bf16* w, float eps, int cols, bf16* out, int64_t out_stride,
-                        bf16* cap, int64_t cap_stride) {
+                        bf16* cap, int64_t cap_stride, MoeSum sum) {
   pdl_release();
   pdl_begin();
   const int64_t r = blockIdx.x;
+  if (kAdd && sum.y.data) {
+    auto* d = const_cast<bf16*>(delta + r * delta_stride);
+    const float* wp = sum.weight_of_pair + r * sum.top_k;
+    for (int i = threadIdx.x; i < cols / 8; i += kRowThreads) {  // norm_row's pieces of this thread
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j = 0; j < sum.top_k; ++j) {
+        float y[8];
+        load8(sum.y.data + (r * sum.top_k + j) * sum.y.stride + 8 * i, y);
+        const float wj = wp[j];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = fmaf(wj, y[e], acc[e]);
+      }
+      store8(d + 8 * i, acc);
+    }
+  }
   bf16* o = out + r * out_stride;
   norm_row<kAdd>(res + r * res_stride, kAdd ? delta + r * delta_stride : nullptr,
                  kAdd ? res_out + r * res_out_stride : nullptr, w, eps, cols,
@@ -416,7 +433,7 @@ void rms_norm_as(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t 
   if (rows_fit_registers(x.cols, {x.stride, out.stride}, {x.data, w, out.data})) {
     launch(rms_norm_vec_kernel<false, R>, x.rows, kRowThreads, s, xd, x.stride, static_cast<const bf16*>(nullptr),
            int64_t{0}, static_cast<R*>(nullptr), int64_t{0}, w, eps, static_cast<int>(x.cols), out.data, out.stride,
-           static_cast<bf16*>(nullptr), int64_t{0});
+           static_cast<bf16*>(nullptr), int64_t{0}, MoeSum{});
     return;
   }
   launch(rms_norm_kernel<R>, x.rows, kRowThreads, s, xd, x.stride, w, eps, x.cols, out.data, out.stride);
@@ -437,25 +454,26 @@ bool add_rms_norm_captures(const Rows& residual, const Mat& delta, const Rows& r
 
 template <typename R>
 void add_rms_norm_as(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                     const Mat& capture, cudaStream_t s) {
+                     const Mat& capture, const MoeSum* sum, cudaStream_t s) {
   const R* rd = static_cast<const R*>(residual.data);
   R* rod = static_cast<R*>(residual_out.data);
   if (add_rms_norm_captures(residual, delta, residual_out, w, out, capture)) {
     launch(rms_norm_vec_kernel<true, R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride,
            rod, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride, capture.data,
-           capture.stride);
+           capture.stride, sum ? *sum : MoeSum{});
     return;
   }
+  if (sum) throw std::logic_error("add_rms_norm: a routed MLP's sum needs the one-pass kernel (add_rms_norm_captures)");
   if (capture.data) throw std::logic_error("add_rms_norm: a capture needs the one-pass kernel (add_rms_norm_captures)");
   launch(add_rms_norm_kernel<R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride, rod,
          residual_out.stride, w, eps, residual.cols, out.data, out.stride);
 }
 
 void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                         cudaStream_t s, const Mat& capture) {
+                         cudaStream_t s, const Mat& capture, const MoeSum* sum) {
   if (residual.rows == 0) return;
-  if (residual.f32) add_rms_norm_as<float>(residual, delta, residual_out, w, eps, out, capture, s);
-  else add_rms_norm_as<bf16>(residual, delta, residual_out, w, eps, out, capture, s);
+  if (residual.f32) add_rms_norm_as<float>(residual, delta, residual_out, w, eps, out, capture, sum, s);
+  else add_rms_norm_as<bf16>(residual, delta, residual_out, w, eps, out, capture, sum, s);
 }
 
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,

@@ -38,11 +38,19 @@ void launch_embed(const Mat& table, const int32_t* ids, const int32_t* dev_ids, 
                   cudaStream_t s);
 // out = rmsnorm(x) * w  (x may alias out when both are bf16)
 void launch_rms_norm(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t s);
+// The routed MLP's output not yet summed: row t = the sum over j < top_k, in order, of
+// weight_of_pair[t * top_k + j] * y[t * top_k + j] (launch_moe_combine's arithmetic and rounding).
+struct MoeSum {
+  Mat y;
+  const float* weight_of_pair = nullptr;
+  int top_k = 0;
+};
 // residual_out = residual + delta (both of the residual's type, residual_out may be residual);
 // out = rmsnorm(residual_out) * w. With capture (data set): residual_out's rows also go there,
-// rounded to bf16, where add_rms_norm_captures says so.
+// rounded to bf16, where add_rms_norm_captures says so. With sum (where add_rms_norm_captures
+// says so): delta is first written from it, each row by the block that normalizes it.
 void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                         cudaStream_t s, const Mat& capture = Mat{nullptr, 0, 0, 0});
+                         cudaStream_t s, const Mat& capture = Mat{nullptr, 0, 0, 0}, const MoeSum* sum = nullptr);
 bool add_rms_norm_captures(const Rows& residual, const Mat& delta, const Rows& residual_out, const bf16* w,
                            const Mat& out, const Mat& capture);
 // In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE of the leading

@@ -151,7 +151,8 @@ void CudaBackend::norm_in(const ResidualNorm& n, Tensor& h) {
         y.stride % 8 == 0 && reinterpret_cast<uintptr_t>(y.data) % 16 == 0 &&
         add_rms_norm_captures(rows_of(r), mat(d), rows_of(ro), w, mat(h), c)) {
       const MoeSum sum{mat(y), static_cast<const float*>(ms.weight_of_pair.data), ms.top_k};
-      staging_.launch([&](cudaStream_t s) { launch_add_rms_norm(rows_of(r), mat(d), rows_of(ro), w, n.eps, mat(h), s, c, &sum); });
+      staging_.launch(
+          [&](cudaStream_t s) { launch_add_rms_norm(rows_of(r), mat(d), rows_of(ro), w, n.eps, mat(h), s, c, &sum); });
       ms.sum_deferred = false;
       return;
     }

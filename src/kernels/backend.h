@@ -235,12 +235,7 @@ class Backend {
     else matmul(h, w, bias, out);
   }
   virtual void norm_in(const ResidualNorm& n, Tensor& h) {
-    if (n.moe_sum && n.moe_sum->sum_deferred) {
-      finish_moe_sum(*n.moe_sum, *n.delta);
-      ResidualNorm written = n;
-      written.moe_sum = nullptr;
-      return norm_in(written, h);
-    }
+    finish_pending_sum(n);
     if (n.delta) {
       add_rms_norm(*n.residual, *n.delta, *n.residual_out, *n.weight, n.eps, h);
       if (n.capture) capture_rows(*n.residual_out, *n.capture);
@@ -328,10 +323,13 @@ class Backend {
   }
   // Writes out = the sum that moe left deferred in s (MoeScratch::sum_deferred), which it clears.
   // Only backends that defer it implement this.
-  virtual void finish_moe_sum(MoeScratch& s, const Tensor& out) {
-    (void)out;
+  virtual void finish_moe_sum(MoeScratch& s, const Tensor& /*out*/) {
     s.sum_deferred = false;
     throw std::logic_error("finish_moe_sum: this backend never defers a routed MLP's sum");
+  }
+  // n's delta written, when it is a routed MLP's output whose sum is still deferred.
+  void finish_pending_sum(const ResidualNorm& n) {
+    if (n.moe_sum && n.moe_sum->sum_deferred) finish_moe_sum(*n.moe_sum, *n.delta);
   }
   // Qwen3.5's Gated DeltaNet over proj = [q|k|v (conv_dim) | z (value_dim) | b (n_v) | a (n_v)] per
   // row (the layer's input projections), per segment on its slot of `cache` (layer `layer`):

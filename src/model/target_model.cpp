@@ -31,7 +31,6 @@ TargetModel::TargetModel(Backend& be, const std::string& dir, const TpRank& tp, 
   }
   if (w_.lm_head.rows > part) w_.lm_head_part = w_.lm_head.slice_rows(first, part);
   else w_.lm_head_part = w_.lm_head;
-  n_ranks_ = tp.size;
   inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.rotary_dim());
   cfg_ = shard;  // the rank's heads and features from here on
   expert_rows_.resize(w_.layers.size());

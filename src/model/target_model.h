@@ -94,7 +94,6 @@ class TargetModel {
   TargetWeights w_;
   std::vector<float> inv_freq_;
   std::vector<Tensor> expert_rows_;  // per layer: Backend::moe's expert_rows of the last forward
-  int n_ranks_ = 1;                    // of the tensor-parallel group this model is a rank of
   std::unique_ptr<RankGroup> ranks_;  // tensor parallelism: ranks 1..; null for one rank
 };
 

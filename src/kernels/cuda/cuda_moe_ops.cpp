@@ -93,13 +93,15 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   });
 }
 
+MoeSum moe_sum_of(const MoeScratch& s, int64_t rows) {
+  return {mat(s.y.slice_rows(0, rows * s.top_k)), static_cast<const float*>(s.weight_of_pair.data), s.top_k};
+}
+
 void CudaBackend::finish_moe_sum(MoeScratch& ms, const Tensor& out) {
   check(ms.sum_deferred, "cuda backend: no routed MLP sum is deferred");
   require_bf16(out, "moe output");
-  const Tensor y = ms.y.slice_rows(0, out.rows * ms.top_k);
-  staging_.launch([&](cudaStream_t s) {
-    launch_moe_combine(mat(y), static_cast<const float*>(ms.weight_of_pair.data), ms.top_k, mat(out), s);
-  });
+  const MoeSum sum = moe_sum_of(ms, out.rows);
+  staging_.launch([&](cudaStream_t s) { launch_moe_combine(sum.y, sum.weight_of_pair, sum.top_k, mat(out), s); });
   ms.sum_deferred = false;
 }
 
@@ -120,7 +122,7 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
                                        scratch->act.stride % 8 == 0 &&
                                        reinterpret_cast<uintptr_t>(scratch->act.data) % 16 == 0));
   if (!one_token) return Backend::norm_moe(n, h, w, out, expert_rows, scratch);
-  if (n.moe_sum && n.moe_sum->sum_deferred) finish_moe_sum(*n.moe_sum, *n.delta);  // every kernel reads delta
+  finish_pending_sum(n);  // every kernel reads delta
   check_moe(h, w, out, expert_rows);
   require_bf16(out, "moe output");
   check(!expert_rows || expert_rows->stride == 1, "cuda backend: expert_rows must be contiguous");

@@ -127,7 +127,7 @@ void CudaBackend::norm_matmul(const ResidualNorm& n, Tensor& h, const Tensor& w,
   if (!rn.residual || !shapes ||
       !skinny_gemm_norm_supported(rn, n.residual->rows, mat(w), gate_up, props_.multiProcessorCount))
     return Backend::norm_matmul(n, h, w, bias, out, gate_up);
-  if (n.moe_sum && n.moe_sum->sum_deferred) finish_moe_sum(*n.moe_sum, *n.delta);  // every block reads delta
+  finish_pending_sum(n);  // every block reads delta
   staging_.launch([&](cudaStream_t s) {
     launch_skinny_gemm_norm(rn, n.residual->rows, mat(w), bf16_or_null(bias), mat(out), gate_up != nullptr,
                             props_.multiProcessorCount, s);
@@ -139,27 +139,21 @@ void CudaBackend::norm_matmul(const ResidualNorm& n, Tensor& h, const Tensor& w,
 // sum (no combine kernel before it).
 void CudaBackend::norm_in(const ResidualNorm& n, Tensor& h) {
   if (n.moe_sum && n.moe_sum->sum_deferred && n.delta) {
-    MoeScratch& ms = *n.moe_sum;
+    // row_norm checks the residual, delta, its output and the weight (types and shapes).
     const Tensor &r = *n.residual, &ro = *n.residual_out, &d = *n.delta;
     const Mat c = n.capture ? mat(*n.capture) : Mat{nullptr, 0, 0, 0};
     const bf16* w = static_cast<const bf16*>(n.weight->data);
-    const Tensor y = ms.y.slice_rows(0, d.rows * ms.top_k);
-    if (residual_dtype(r) && ro.dtype == r.dtype && d.dtype == DType::BF16 && h.dtype == DType::BF16 &&
-        n.weight->dtype == DType::BF16 && (!n.capture || n.capture->dtype == DType::BF16) && d.rows == r.rows &&
-        d.cols == r.cols && ro.rows == r.rows && ro.cols == r.cols && h.rows == r.rows && h.cols == r.cols &&
-        (!n.capture || (n.capture->rows == r.rows && n.capture->cols == r.cols)) && y.cols == d.cols &&
-        y.stride % 8 == 0 && reinterpret_cast<uintptr_t>(y.data) % 16 == 0 &&
+    const MoeSum sum = moe_sum_of(*n.moe_sum, d.rows);
+    if (row_norm(n).residual && h.dtype == DType::BF16 && h.rows == r.rows && h.cols == r.cols &&
+        (!n.capture || (n.capture->dtype == DType::BF16 && n.capture->rows == r.rows && n.capture->cols == r.cols)) &&
+        sum.y.cols == d.cols && sum.y.stride % 8 == 0 && reinterpret_cast<uintptr_t>(sum.y.data) % 16 == 0 &&
         add_rms_norm_captures(rows_of(r), mat(d), rows_of(ro), w, mat(h), c)) {
-      const MoeSum sum{mat(y), static_cast<const float*>(ms.weight_of_pair.data), ms.top_k};
       staging_.launch(
           [&](cudaStream_t s) { launch_add_rms_norm(rows_of(r), mat(d), rows_of(ro), w, n.eps, mat(h), s, c, &sum); });
-      ms.sum_deferred = false;
+      n.moe_sum->sum_deferred = false;
       return;
     }
-    finish_moe_sum(ms, d);
-    ResidualNorm written = n;
-    written.moe_sum = nullptr;
-    return norm_in(written, h);
+    finish_pending_sum(n);
   }
   if (!n.delta || !n.capture) return Backend::norm_in(n, h);
   const Tensor &r = *n.residual, &ro = *n.residual_out, &c = *n.capture;

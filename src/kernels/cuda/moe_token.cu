@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
 
   const int64_t n0 = int64_t{blockIdx.x} * 16;
   const int n_mine = chunks_of_warp(K, kw);
-  const int n_experts = (top_k - group + kDownGroups - 1) / kDownGroups;  // the group's: j = group + 2 e
+  const int n_experts = (top_k - group + kDownGroups - 1) / kDownGroups;  // the group's: j = group + kDownGroups * e
   const int n_seq = n_mine * n_experts;
   // The next chunk to request: the group's expert `ie`, the warp's chunk `ic` of it, into ring slot `issued` % S.
   int issued = 0, ie = 0, ic = 0;

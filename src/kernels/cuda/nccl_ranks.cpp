@@ -130,9 +130,7 @@ class NcclCommunicator final : public Communicator {
     check(all.rows == part.rows && all.cols == part.cols * n_ranks && all.dtype == part.dtype,
           "all-gather: the result must hold every rank's part side by side");
     const int64_t elem = static_cast<int64_t>(dtype_size(part.dtype)), row_bytes = part.cols * elem;
-    if (peer_ && row_bytes % 4 == 0 &&
-        cuda::peer_collective_fits(part.data, part.rows * row_bytes, cuda::kPeerMaxBytes) &&
-        reinterpret_cast<uintptr_t>(all.data) % 4 == 0) {
+    if (peer_ && cuda::peer_all_gather_fits(part.data, all.data, part.rows, row_bytes)) {
       c.launch_library([&](cudaStream_t s) {
         cuda::launch_peer_all_gather(*peer_, part.data, all.data, part.rows, row_bytes, all.stride * elem, s);
       });

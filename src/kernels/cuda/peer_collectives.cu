@@ -54,9 +54,9 @@ __device__ __forceinline__ void load_piece(const uint4* p, uint32_t flag, const 
 // peer has finished call - 2 (the last to use the half): every rank acknowledges every call to
 // every peer at its end. An exchange would not need this (a rank that has the peer's words of call
 // c - 1 knows the peer finished c - 2), but a broadcast's root waits for nobody.
-template <Op op>
 // kGather: rank q's word w goes to dst[(w / row_words) * dst_row_words + q * row_words + w % row_words]
 // (its part's rows side by side with the other ranks' in each row of dst).
+template <Op op>
 __global__ void __launch_bounds__(kThreads) peer_kernel(PeerArgs a, const uint32_t* src, uint32_t* dst,
                                                         int64_t words, int64_t row_words, int64_t dst_row_words) {
   const int b = blockIdx.x, rank = a.rank, n = a.n_ranks;
@@ -151,8 +151,6 @@ void launch_op(const PeerArgs& a, const void* src, void* dst, int64_t bytes, cud
          static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), words, row_bytes / 4, dst_row_bytes / 4);
 }
 
-}  // namespace
-
 // A block waits for the same block of the other ranks, so a call's blocks must all be on the GPU
 // at once (with more, progress would rest on the order in which the GPU places blocks): at most
 // as many as the kernels' occupancy allows on every SM (the ranks' GPUs are of one kind).
@@ -173,6 +171,8 @@ int64_t peer_collective_max_bytes() {
   return bytes;
 }
 
+}  // namespace
+
 bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes) {
   return bytes % 4 == 0 && bytes <= std::min(max_bytes, peer_collective_max_bytes()) &&
          reinterpret_cast<uintptr_t>(p) % 4 == 0;
@@ -180,6 +180,11 @@ bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes) {
 
 void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t s) {
   launch_op<Op::kSum>(a, t, t, 2 * n, s);
+}
+
+bool peer_all_gather_fits(const void* part, const void* all, int64_t rows, int64_t row_bytes) {
+  return row_bytes % 4 == 0 && peer_collective_fits(part, rows * row_bytes, kPeerMaxBytes) &&
+         reinterpret_cast<uintptr_t>(all) % 4 == 0;
 }
 
 void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int64_t rows, int64_t row_bytes,

@@ -35,12 +35,13 @@ struct PeerArgs {
   int rank = 0, n_ranks = 0;
 };
 
-// Every rank calls the same collectives in the same order with the same sizes. Sizes are in bytes,
-// a multiple of 4 and at most max_bytes (kPeerMaxBytes, all-reduce: kPeerAllReduceMaxBytes) and
-// what the GPU holds at once (peer_collective_max_bytes); pointers 4-byte aligned.
+// Every rank calls the same collectives in the same order with the same sizes. What fits: bytes a
+// multiple of 4, at most max_bytes (kPeerMaxBytes, all-reduce: kPeerAllReduceMaxBytes) and what the
+// GPU holds at once (a block waits for the same block of the other ranks); pointers 4-byte aligned.
 bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes);
-int64_t peer_collective_max_bytes();
-// t [n bf16, contiguous] = the sum over the ranks of their t.
+// The same for launch_peer_all_gather's operands (rows of row_bytes).
+bool peer_all_gather_fits(const void* part, const void* all, int64_t rows, int64_t row_bytes);
+// t [n bf16, contiguous: 2n bytes] = the sum over the ranks of their t.
 void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t s);
 // Row i of all (all_row_bytes apart) = row i of every rank's part (rows of row_bytes, contiguous) side
 // by side, rank r's at byte r * row_bytes of the row. row_bytes and all_row_bytes: multiples of 4.

@@ -381,6 +381,12 @@ void force_kernel_forms(Backend& cuda_backend, const KernelForms& forms) {
   be->force_forms(forms);
 }
 
+long long routed_tile_products(const Backend& cuda_backend) {
+  const auto* be = dynamic_cast<const CudaBackend*>(&cuda_backend);
+  check(be != nullptr, "routed_tile_products: ", cuda_backend.name(), " is not the CUDA backend");
+  return be->routed_tile_products();
+}
+
 }  // namespace cuda
 
 int cuda_device_count() {

@@ -48,6 +48,7 @@ class CudaBackend final : public Backend {
 
   // Tests: one side of the kernels' shape rules (KernelForms).
   void force_forms(const KernelForms& forms) { forms_ = forms; }
+  long long routed_tile_products() const { return routed_tile_products_; }
 
   std::string name() const override { return std::string("cuda (") + props_.name + ")"; }
   bool memory_info(int64_t& free_bytes, int64_t& total_bytes) override;
@@ -154,6 +155,7 @@ class CudaBackend final : public Backend {
   GraphStaging staging_;
   std::unique_ptr<LtGemm> lt_;
   KernelForms forms_;  // by rule, unless a test forces a form
+  long long routed_tile_products_ = 0;  // moe() calls that took the tile products (tests)
   TopCandidatesRow* top_out_ = nullptr;  // top_candidates' results, device and pinned host
   TopCandidatesRow* top_host_ = nullptr;
   std::map<std::vector<float>, float*> inv_freq_;

@@ -48,6 +48,7 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   const bool wide = !options_.batch_invariant && forms_.routed_tiles == KernelForms::RoutedTiles::by_rule &&
                     pairs >= int64_t{kMoeWideMinPairs} * w.n_experts && items_of(kMoeGemmPairs) <= 65535;
   const int tile = wide ? kMoeGemmPairs : m <= 8 ? 8 : m <= 16 ? 16 : 32;
+  routed_tile_products_ += wide;
   const int max_items = static_cast<int>(items_of(tile));
   Tensor expert_of_pair = alloc_as(pairs, 1, DType::I32), weight_of_pair = alloc_as(pairs, 1, DType::F32);
   Tensor pair_list = alloc_as(pairs, 1, DType::I32), items = alloc_as(max_items, 3, DType::I32);

@@ -30,5 +30,9 @@ struct KernelForms {
 // backend and in builds without CUDA.
 void force_kernel_forms(Backend& cuda_backend, const KernelForms& forms);
 
+// How many routed products a backend made by make_cuda_backend has run as tile products (tests:
+// whether a step took them; their bits may equal the skinny form's by chance on small shapes).
+long long routed_tile_products(const Backend& cuda_backend);
+
 }  // namespace cuda
 }  // namespace dflash

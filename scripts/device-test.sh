@@ -14,7 +14,8 @@
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
 # Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 fixtures-qwen3_next tests logits sites bench bench-moe bench-qwen3_5 profile ab builds serving
 # serving-moe ttft sampling ncu ncu-decode graphs tp serving-tp" (default: tests logits bench serving; tp and
-# serving-tp need a kind with several GPUs, TP of them).
+# serving-tp need a kind with several GPUs, TP of them). STEPS=builds BUILDS_MODEL=moe12 times two builds
+# on 12 layers of the 30B-A3B shape instead of the 8B-shaped pair.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
@@ -80,16 +81,24 @@ random_8b_pair() {
 # or the 8B pair, not both.
 random_moe_pair() {
   if [ ! -f "$ckpt/qwen3-30b-a3b/config.json" ]; then
-    rm -rf "$ckpt/qwen3-8b" "$ckpt/dflash-8b" "$ckpt/qwen3-30b-a3b"
+    rm -rf "$ckpt/qwen3-8b" "$ckpt/dflash-8b" "$ckpt/qwen3-30b-a3b" "$ckpt/qwen3-30b-a3b-12l"
     python3 tools/make_random_checkpoint.py qwen3-30b-a3b "$ckpt/qwen3-30b-a3b" --seed 4
   fi
   [ -f "$ckpt/dflash-30b-a3b/config.json" ] ||
     python3 tools/make_random_checkpoint.py dflash-30b-a3b "$ckpt/dflash-30b-a3b" --seed 5
 }
+# 12 layers of the 30B-A3B shape (about 16 GB, beside the 8B pair) and a draft for 12 target
+# layers: A/B runs of the routed kernels in seconds (a layer's time is the full shape's).
+random_moe12_pair() {
+  [ -f "$ckpt/qwen3-30b-a3b-12l/config.json" ] ||
+    python3 tools/make_random_checkpoint.py qwen3-30b-a3b "$ckpt/qwen3-30b-a3b-12l" --layers 12 --seed 4
+  [ -f "$ckpt/dflash-30b-a3b-12l/config.json" ] ||
+    python3 tools/make_random_checkpoint.py dflash-30b-a3b "$ckpt/dflash-30b-a3b-12l" --target-layers 12 --seed 5
+}
 # The random Qwen3.5-27B-shaped target (about 54 GB; alone on the disk) and a DFlash draft for it.
 random_qwen3_5_pair() {
   if [ ! -f "$ckpt/qwen3_5-27b/config.json" ]; then
-    rm -rf "$ckpt/qwen3-8b" "$ckpt/dflash-8b" "$ckpt/qwen3-30b-a3b" "$ckpt/dflash-30b-a3b"
+    rm -rf "$ckpt/qwen3-8b" "$ckpt/dflash-8b" "$ckpt/qwen3-30b-a3b" "$ckpt/dflash-30b-a3b" "$ckpt/qwen3-30b-a3b-12l"
     python3 tools/make_random_checkpoint.py qwen3_5-27b "$ckpt/qwen3_5-27b" --seed 6
   fi
   [ -f "$ckpt/dflash-qwen3_5-27b/config.json" ] ||
@@ -256,8 +265,15 @@ fi
 
 if [[ " $steps " == *" builds "* ]]; then
   # A/B of two builds (pack-builds): bench-step with the baseline binary, then with this build,
-  # alternating for ROUNDS rounds (default 2).
-  random_8b_pair
+  # alternating for ROUNDS rounds (default 2), on the 8B-shaped pair or (BUILDS_MODEL=moe12) the
+  # 12-layer 30B-A3B-shaped one.
+  if [ "${BUILDS_MODEL:-8b}" = moe12 ]; then
+    random_moe12_pair
+    pair=(--model "$ckpt/qwen3-30b-a3b-12l" --draft "$ckpt/dflash-30b-a3b-12l")
+  else
+    random_8b_pair
+    pair=(--model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b")
+  fi
   printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:$LD_LIBRARY_PATH" exec "%s" "$@"\n' "$PWD/build-dev/lib" \
     "$PWD/base/build-dev/dflash" > build-dev/dflash-base-run
   chmod +x build-dev/dflash-base-run
@@ -265,7 +281,7 @@ if [[ " $steps " == *" builds "* ]]; then
     for build in base new; do
       echo "== round $round: $build =="
       bin=$dflash; [ $build = base ] && bin=build-dev/dflash-base-run
-      "$bin" bench-step --device cuda --model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b" \
+      "$bin" bench-step --device cuda "${pair[@]}" \
         --batch "${BENCH_BATCH:-1,8,32}" --context "${BENCH_CONTEXT:-512}" --skip-kernels --leak-check-steps 0 2>&1 |
         tee -a "$out/builds_$build.txt" || status=1
     done

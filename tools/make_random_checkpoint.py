@@ -21,8 +21,10 @@ and numerics checks on the device (torch + safetensors; the GPU makes it fast).
               heads of 128, intermediate 17408, block 16, target_layer_ids [1, 16, 31, 46, 61] (the
               default rule for 64 target layers), mask 248077
 
-Usage: make_random_checkpoint.py SHAPE OUT_DIR [--layers N] [--seed S]
-(--layers overrides the layer count, e.g. a few real-size layers for a logits check.)
+Usage: make_random_checkpoint.py SHAPE OUT_DIR [--layers N] [--target-layers N] [--seed S]
+(--layers overrides the layer count, e.g. a few real-size layers for a logits check; --target-layers
+makes a draft for a target of that many layers, its captured layers by the default rule: e.g. the
+draft of a 12-layer 30B-A3B-shaped target, a quick stand-in for the 48 layers in kernel A/B runs.)
 """
 import argparse
 import json
@@ -157,6 +159,7 @@ def main():
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("out")
     ap.add_argument("--layers", type=int)
+    ap.add_argument("--target-layers", type=int, help="drafts: the target's layer count")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     s = dict(SHAPES[a.shape])
@@ -164,6 +167,16 @@ def main():
         s["layers"] = a.layers
         if "layer_ids" in s:
             s["layer_ids"] = [i for i in s["layer_ids"] if i < s["target_layers"]]
+    if a.target_layers:
+        if "layer_ids" not in s:
+            ap.error(f"--target-layers is for drafts, not {a.shape}")
+        if a.target_layers < 5:
+            ap.error("--target-layers must be at least 5")
+        # The engine's default rule (default_target_layer_ids): one layer a draft layer, evenly
+        # from layer 1 to layer N - 3, rounded half to even as Python's round() does.
+        n, k = a.target_layers, s["layers"]
+        s["target_layers"] = n
+        s["layer_ids"] = [round(1 + i * (n - 4) / (k - 1)) for i in range(k)] if k > 1 else [n // 2]
     os.makedirs(a.out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(a.seed)

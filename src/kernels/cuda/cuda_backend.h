@@ -29,7 +29,7 @@ inline bool residual_dtype(const Tensor& t) { return t.dtype == DType::F32 || t.
 // The kernels' view of a ResidualNorm; residual stays null when a tensor is not bf16 or the
 // shapes differ (the caller then takes the separate steps). cuda_ops.cpp.
 RowNorm row_norm(const ResidualNorm& n);
-// The routed MLP's deferred sum of rows output rows (MoeScratch::sum_deferred).
+// The operands of a routed MLP's deferred sum (MoeScratch::sum_deferred) for its first `rows` output rows.
 MoeSum moe_sum_of(const MoeScratch& s, int64_t rows);
 inline const bf16* bf16_or_null(const Tensor* t) { return t ? static_cast<const bf16*>(t->data) : nullptr; }
 

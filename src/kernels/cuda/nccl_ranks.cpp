@@ -130,7 +130,7 @@ class NcclCommunicator final : public Communicator {
     check(all.rows == part.rows && all.cols == part.cols * n_ranks && all.dtype == part.dtype,
           "all-gather: the result must hold every rank's part side by side");
     const int64_t elem = static_cast<int64_t>(dtype_size(part.dtype)), row_bytes = part.cols * elem;
-    if (peer_ && cuda::peer_all_gather_fits(part.data, all.data, part.rows, row_bytes)) {
+    if (peer_ && cuda::peer_all_gather_fits(part.data, all.data, part.rows, row_bytes, all.stride * elem)) {
       c.launch_library([&](cudaStream_t s) {
         cuda::launch_peer_all_gather(*peer_, part.data, all.data, part.rows, row_bytes, all.stride * elem, s);
       });

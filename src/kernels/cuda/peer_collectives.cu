@@ -182,8 +182,8 @@ void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t 
   launch_op<Op::kSum>(a, t, t, 2 * n, s);
 }
 
-bool peer_all_gather_fits(const void* part, const void* all, int64_t rows, int64_t row_bytes) {
-  return row_bytes % 4 == 0 && peer_collective_fits(part, rows * row_bytes, kPeerMaxBytes) &&
+bool peer_all_gather_fits(const void* part, const void* all, int64_t rows, int64_t row_bytes, int64_t all_row_bytes) {
+  return row_bytes % 4 == 0 && all_row_bytes % 4 == 0 && peer_collective_fits(part, rows * row_bytes, kPeerMaxBytes) &&
          reinterpret_cast<uintptr_t>(all) % 4 == 0;
 }
 

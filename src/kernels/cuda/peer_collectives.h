@@ -39,8 +39,8 @@ struct PeerArgs {
 // multiple of 4, at most max_bytes (kPeerMaxBytes, all-reduce: kPeerAllReduceMaxBytes) and what the
 // GPU holds at once (a block waits for the same block of the other ranks); pointers 4-byte aligned.
 bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes);
-// The same for launch_peer_all_gather's operands (rows of row_bytes).
-bool peer_all_gather_fits(const void* part, const void* all, int64_t rows, int64_t row_bytes);
+// The same for launch_peer_all_gather's operands (rows of row_bytes, all's rows all_row_bytes apart).
+bool peer_all_gather_fits(const void* part, const void* all, int64_t rows, int64_t row_bytes, int64_t all_row_bytes);
 // t [n bf16, contiguous: 2n bytes] = the sum over the ranks of their t.
 void launch_peer_all_reduce(const PeerArgs& a, bf16* t, int64_t n, cudaStream_t s);
 // Row i of all (all_row_bytes apart) = row i of every rank's part (rows of row_bytes, contiguous) side

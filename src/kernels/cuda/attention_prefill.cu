@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
                            const int32_t* __restrict__ page_tables, AttnShape shp, int heads,
                            const int32_t* __restrict__ work_rows, float* __restrict__ workspace, int max_splits,
                            bf16* __restrict__ out, int64_t out_stride) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DFLASH_DYNAMIC_SMEM(smem_raw);
   auto& sm = *reinterpret_cast<PrefillSmem<HD>*>(smem_raw);
   constexpr int TK = kTileKeys<HD>;
   constexpr int kSteps = HD / 16;  // 16-dim steps of the score product

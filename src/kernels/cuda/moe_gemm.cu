@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gemm_kernel(const bf16* __res
                                                                const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                int K, bf16* __restrict__ out, int64_t out_stride,
                                                                RoutedRows routed) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DFLASH_DYNAMIC_SMEM(smem_raw);
   TileStage* ring = reinterpret_cast<TileStage*>(smem_raw);
   pdl_begin();  // the items come from the routing kernel
   const int item = blockIdx.y;

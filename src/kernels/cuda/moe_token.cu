@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNo
                                                                          bf16* __restrict__ act, int64_t act_stride,
                                                                          bf16* __restrict__ h_out) {
   constexpr int S = kGateUpStages;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DFLASH_DYNAMIC_SMEM(smem_raw);
   __shared__ TokenRoute route;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   GateUpStage* ring = reinterpret_cast<GateUpStage*>(smem_raw) + warp * S;
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
                                                                           int64_t w_step, int N,
                                                                           bf16* __restrict__ out) {
   constexpr int S = kDownStages;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DFLASH_DYNAMIC_SMEM(smem_raw);
   __shared__ TokenRoute route;
   __shared__ float red[kWarps][kMoeTokenMaxTopK][16];  // token 0's partial sums
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
   constexpr int S = kStages<MT, RT, kNorm, kWide, kRouted>;
   using St = StageOf<MT, RT, kNorm>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DFLASH_DYNAMIC_SMEM(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
   constexpr int kPerBlock = features_per_block(RT, kSwiglu);

@@ -13,7 +13,7 @@
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
 # Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 fixtures-qwen3_next tests logits sites bench bench-moe bench-qwen3_5 profile ab builds serving
-# serving-moe ttft sampling ncu ncu-decode graphs tp serving-tp" (default: tests logits bench serving; tp and
+# serving-moe ttft sampling ncu ncu-decode ncu-sectors graphs tp serving-tp" (default: tests logits bench serving; tp and
 # serving-tp need a kind with several GPUs, TP of them). STEPS=builds BUILDS_MODEL=moe12 times two builds
 # on 12 layers of the 30B-A3B shape instead of the 8B-shaped pair.
 set -euo pipefail
@@ -247,6 +247,22 @@ if [[ " $steps " == *" ncu-decode "* ]]; then
     > "$out/ncu_decode_run.txt" 2>&1 || status=1
   ncu -i "$out/ncu_decode.ncu-rep" --print-details all > "$out/ncu_decode.txt" 2>&1 || status=1
   ncu -i "$out/ncu_decode.ncu-rep" --page source --csv --print-source sass > "$out/ncu_decode_sass.csv" 2>&1 || status=1
+fi
+
+if [[ " $steps " == *" ncu-sectors "* ]]; then
+  # Per instruction, the L2 sectors each global access touches against the ideal for its bytes
+  # (Nsight Compute's source counters, tools/ncu_sectors.py), for the kernels NCU_KERNEL matches (a
+  # regex over mangled names; default: the 16-row routed SwiGLU product and its dense sibling, the
+  # draft's) at batch NCU_BATCH of the 12-layer 30B-A3B shape's bench-step:
+  # bench/results/ncu_h100_moe_routed_smem_offset.txt.
+  random_moe12_pair
+  with_libs ncu --clock-control none --kernel-name-base mangled \
+    -k "regex:${NCU_KERNEL:-skinny_gemm_kernelILi2ELi2ELb1ELb0EtLb0ELb[01]E}" --launch-skip "${NCU_SKIP:-10}" \
+    --launch-count "${NCU_COUNT:-2}" --section SourceCounters --page source --print-source sass --csv \
+    build-dev/dflash bench-step --device cuda --model "$ckpt/qwen3-30b-a3b-12l" --draft "$ckpt/dflash-30b-a3b-12l" \
+    --batch "${NCU_BATCH:-1}" --context 512 --iters 2 --warmup 1 --skip-kernels --leak-check-steps 0 \
+    > "$out/ncu_sectors.csv" 2>&1 || status=1
+  python3 tools/ncu_sectors.py "$out/ncu_sectors.csv" 2>&1 | tee "$out/ncu_sectors.txt" || status=1
 fi
 
 if [[ " $steps " == *" ab "* ]]; then

@@ -421,11 +421,12 @@ TEST_F(CudaOps, FusedMatmulSwigluMatchesTheSeparateOps) {
 
 // Products that normalize their own input rows (a few rows; more rows take the two steps). With a
 // delta, the new residual rows also go to a capture (a column slice, as the layer outputs that the
-// DFlash draft reads), rounded to bf16.
+// DFlash draft reads), rounded to bf16. The products normalize 4, 2 or 1 rows at once by width
+// (up to 2048, 4096, 8192 values): the row counts fill and split those groups.
 TEST_F(CudaOps, NormMatmulEqualsTheSeparateOps) {
-  const int64_t shapes[][2] = {{1000, 136}, {6144, 4096}, {4096, 4096}};
+  const int64_t shapes[][2] = {{1000, 136}, {6144, 4096}, {4096, 4096}, {768, 2048}, {256, 6144}};
   for (bool f32 : {false, true}) {
-    for (int64_t m : {1, 2, 3, 5, 9}) {
+    for (int64_t m : {1, 2, 3, 5, 8, 9}) {
       for (const auto& s : shapes) {
         for (bool swiglu : {false, true}) {
           for (bool with_delta : {false, true}) {

@@ -124,10 +124,12 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16
 }  // namespace
 
 void launch_moe_route(const Mat& logits, const MoeRouting& r, cudaStream_t s) {
-  // A warp a token, up to 32 warps; the fewest experts a lane that cover E. More than 128 tokens:
-  // the tokens first, a warp each over many blocks.
+  // A warp a token, up to 32 warps; the fewest experts a lane that cover E. More than 32 tokens:
+  // the tokens first, a warp each over many blocks, then the one block groups the pairs (at 128
+  // rows, the DFlash step of batch 8, the one block's warps routing 4 tokens each in turn took
+  // 22 us a layer; H100, 12 layers of the 30B-A3B shape: that step 6.13 -> 5.90 ms).
   const int m = static_cast<int>(logits.rows), e = static_cast<int>(logits.cols);
-  const bool rows_first = m > 128;
+  const bool rows_first = m > 32;
   const dim3 threads(32 * std::min(32, std::max(4, m)));
   auto go = [&](auto rows_kernel, auto kernel) {
     if (rows_first)

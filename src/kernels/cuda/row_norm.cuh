@@ -16,18 +16,28 @@ constexpr int kRowThreads = 256;
 constexpr int kVecPerThread = 4;
 constexpr int64_t kVecMaxCols = int64_t{kRowThreads} * 8 * kVecPerThread;
 
+// Sums over the block of G values at once (blockDim.x a multiple of 32, at most 1024); every
+// thread gets the results. Each value is reduced as block_sum reduces it (the same bits).
+template <int G>
+__device__ __forceinline__ void block_sums(float (&v)[G]) {
+  __shared__ float partial[G][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+#pragma unroll
+  for (int t = 0; t < G; ++t) {
+    v[t] = warp_sum(v[t]);
+    if (lane == 0) partial[t][warp] = v[t];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < G; ++t) v[t] = warp_sum(lane < n_warps ? partial[t][lane] : 0.0f);
+  __syncthreads();  // partial[] may be reused by the next call
+}
+
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v) {
-  __shared__ float partial[32];
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  const int n_warps = blockDim.x / 32;
-  v = lane < n_warps ? partial[lane] : 0.0f;
-  v = warp_sum(v);
-  __syncthreads();  // partial[] may be reused by the next call
-  return v;
+  float a[1] = {v};
+  block_sums<1>(a);
+  return a[0];
 }
 
 // Eight consecutive values of a row of bf16 (uint16_t) or float32, as floats; stores round
@@ -47,55 +57,86 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
   *reinterpret_cast<float4*>(p + 4) = make_float4(f[4], f[5], f[6], f[7]);
 }
 
-// One row of `cols` values (cols % 8 == 0, cols <= kVecMaxCols, 16-byte aligned rows), all
-// kRowThreads threads of the block taking part. The residual stream R is float32 (the model's)
-// or bf16: v = res + delta (kAdd; rounded to bf16 when R is) or res, stored to res_out when
-// that is set (it may be res: each thread loads its pieces before it stores them); then
-// y = w * v * rsqrt(mean(v^2) + eps) in float32, rounded once, given to store(i, 8 values
-// packed) for the 8-value piece i. With cap, v also goes there rounded to bf16. Each thread loads all its pieces before anything is
-// stored, so a row costs one round trip to memory.
+// Rows t < n (n <= G) of `cols` values (cols % 8 == 0, cols <= kRowThreads * 8 * P, 16-byte
+// aligned rows), all kRowThreads threads of the block taking part; row t of each operand starts
+// t strides after its first row. The residual stream R is float32 (the model's) or bf16:
+// v = res + delta (kAdd; rounded to bf16 when R is) or res, stored to res_out when that is set
+// (it may be res: each thread loads its pieces before it stores them); then
+// y = w * v * rsqrt(mean(v^2) + eps) in float32, rounded once, given to store(t, i, 8 values
+// packed) for row t's 8-value piece i. With cap, v also goes there rounded to bf16. Each thread
+// loads its pieces of all n rows before anything is added, reduced or stored, so the rows cost
+// one round trip to memory together, and each row's sums are taken in one fixed order whatever
+// G, P and n are (the same bits for a row normalized alone or with others).
+template <int G, int P, bool kAdd, typename R, typename Store>
+__device__ __forceinline__ void norm_rows(int n, const R* res, int64_t res_stride, const uint16_t* delta,
+                                          int64_t delta_stride, R* res_out, int64_t res_out_stride, const uint16_t* w,
+                                          float eps, int cols, Store store, uint16_t* cap = nullptr,
+                                          int64_t cap_stride = 0) {
+  constexpr bool kF32 = sizeof(R) == 4;
+  const int n_vec = cols / 8;
+  float v[G][P][8];
+  uint4 dv[G][P], wv[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i < n_vec) wv[k] = __ldg(reinterpret_cast<const uint4*>(w + 8 * i));
+  }
+#pragma unroll
+  for (int t = 0; t < G; ++t) {
+    if (t >= n) continue;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int i = threadIdx.x + k * kRowThreads;
+      if (i >= n_vec) continue;
+      load8(res + t * res_stride + 8 * i, v[t][k]);
+      if constexpr (kAdd) dv[t][k] = *reinterpret_cast<const uint4*>(delta + t * delta_stride + 8 * i);
+    }
+  }
+  float ss[G];
+#pragma unroll
+  for (int t = 0; t < G; ++t) {
+    ss[t] = 0.0f;
+    if (t >= n) continue;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int i = threadIdx.x + k * kRowThreads;
+      if (i >= n_vec) continue;
+      if constexpr (kAdd) {
+        float dd[8];
+        unpack8(dv[t][k], dd);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[t][k][e] = kF32 ? v[t][k][e] + dd[e] : round_bf(v[t][k][e] + dd[e]);
+      }
+      if (res_out) store8(res_out + t * res_out_stride + 8 * i, v[t][k]);
+      if (cap) store8(cap + t * cap_stride + 8 * i, v[t][k]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss[t] += v[t][k][e] * v[t][k][e];
+    }
+  }
+  block_sums<G>(ss);
+#pragma unroll
+  for (int t = 0; t < G; ++t) {
+    if (t >= n) continue;
+    const float scale = rsqrtf(ss[t] / static_cast<float>(cols) + eps);
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int i = threadIdx.x + k * kRowThreads;
+      if (i >= n_vec) continue;
+      float wf[8], y[8];
+      unpack8(wv[k], wf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y[e] = wf[e] * (v[t][k][e] * scale);
+      store(t, i, pack8(y));
+    }
+  }
+}
+
+// One row (cols <= kVecMaxCols): norm_rows of a single row, store(i, 8 values packed).
 template <bool kAdd, typename R, typename Store>
 __device__ __forceinline__ void norm_row(const R* res, const uint16_t* delta, R* res_out, const uint16_t* w, float eps,
                                          int cols, Store store, uint16_t* cap = nullptr) {
-  constexpr bool kF32 = sizeof(R) == 4;
-  const int n_vec = cols / 8;
-  float v[kVecPerThread][8];
-  uint4 dv[kVecPerThread], wv[kVecPerThread];
-#pragma unroll
-  for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = threadIdx.x + k * kRowThreads;
-    if (i >= n_vec) continue;
-    load8(res + 8 * i, v[k]);
-    if constexpr (kAdd) dv[k] = *reinterpret_cast<const uint4*>(delta + 8 * i);
-    wv[k] = __ldg(reinterpret_cast<const uint4*>(w + 8 * i));
-  }
-  float ss = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = threadIdx.x + k * kRowThreads;
-    if (i >= n_vec) continue;
-    if constexpr (kAdd) {
-      float dd[8];
-      unpack8(dv[k], dd);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[k][e] = kF32 ? v[k][e] + dd[e] : round_bf(v[k][e] + dd[e]);
-    }
-    if (res_out) store8(res_out + 8 * i, v[k]);
-    if (cap) store8(cap + 8 * i, v[k]);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
-  }
-  const float scale = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
-#pragma unroll
-  for (int k = 0; k < kVecPerThread; ++k) {
-    const int i = threadIdx.x + k * kRowThreads;
-    if (i >= n_vec) continue;
-    float wf[8], y[8];
-    unpack8(wv[k], wf);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) y[e] = wf[e] * (v[k][e] * scale);
-    store(i, pack8(y));
-  }
+  norm_rows<1, kVecPerThread, kAdd>(1, res, 0, delta, 0, res_out, 0, w, eps, cols,
+                                    [&](int, int i, const uint4& y) { store(i, y); }, cap);
 }
 
 // Rows of `cols` values fit norm_row: every row start of every operand 16-byte aligned.

@@ -23,7 +23,7 @@ namespace {
 
 constexpr int kWarps = 8;   // warps per block, splitting K
 constexpr int kChunk = 32;  // k per chunk
-static_assert(kWarps * 32 == kRowThreads, "norm_row needs the whole block");
+static_assert(kWarps * 32 == kRowThreads, "norm_rows needs the whole block");
 
 // The token's chosen experts in increasing index, and their weights.
 struct TokenRoute {

@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
                                                                   RowNorm norm, int64_t w_group_step,
                                                                   int out_group_cols, RoutedRows routed) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
-  static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_row needs the whole block");
+  static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_rows needs the whole block");
   constexpr int S = kStages<MT, RT, kNorm, kWide, kRouted>;
   using St = StageOf<MT, RT, kNorm>;
   DFLASH_DYNAMIC_SMEM(smem_raw);

@@ -141,9 +141,9 @@ TEST_F(CudaOps, LargeProductsOfEveryRowBucketMatchCpu) {
 
 // The basis of lossless speculative decoding on the GPU: a row's product is
 // bit-identical whether it is computed alone or among up to 32 rows, and whatever number of
-// weight tiles a block takes (4096 and 6144 rows at more than 8 tokens: two and three tiles on
-// an H100, one block per SM; compared with the usual blocks forced, and with wide ones at any
-// number of tokens).
+// weight tiles a block takes (1000, 4096 and 6144 rows at more than 8 tokens: one, two and three
+// tiles on an H100, one block per SM; compared with the usual blocks forced, and with wide ones at
+// any number of tokens).
 TEST_F(CudaOps, SkinnyMatmulRowsDoNotDependOnTheBatch) {
   const int64_t k = 4096;
   for (int64_t n : {1000, 4096, 6144}) {

@@ -53,19 +53,21 @@ struct Stage<0, RT> {
 };
 
 // Stages per warp: as many chunks in flight as `budget` bytes of shared memory per warp hold,
-// at least 2, at most 8. 12 KiB a warp is 96 KiB a block, two blocks per SM; the normalizing
-// form keeps 10 KiB a warp so that its rows fit beside the ring.
+// at least 2, at most `most` (8; 12 for the one-tile wide block, whose stages are small). 12 KiB a
+// warp is 96 KiB a block, two blocks per SM; the normalizing form keeps 10 KiB a warp so that its
+// rows fit beside the ring.
 template <int XT, int RT>
-constexpr int stages(int budget) {
+constexpr int stages(int budget, int most = 8) {
   const int n = budget / static_cast<int>(sizeof(Stage<XT, RT>));
-  return n < 2 ? 2 : n > 8 ? 8 : n;
+  return n < 2 ? 2 : n > most ? most : n;
 }
 // kWide (one block per SM, see wide_row_tiles): 24 KiB a warp, 192 KiB a block. kRouted: 9 KiB
 // a warp, so that three blocks of the one-tile forms share an SM (gate_up at batch 1 of the
 // 30B-A3B shape: 384 blocks, one wave; with two blocks an SM, 1.45 waves). Wider stages (the
 // down products' four row tiles with 16 or 32 rows) still get the two-stage minimum: two blocks.
 template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
-constexpr int kStages = kNorm ? stages<0, RT>(10240) : stages<MT, RT>(kWide ? 24576 : kRouted ? 9216 : 12288);
+constexpr int kStages = kNorm ? stages<0, RT>(10240)
+                               : stages<MT, RT>(kWide ? 24576 : kRouted ? 9216 : 12288, kWide && RT == 1 ? 12 : 8);
 template <int MT, int RT, bool kNorm>
 using StageOf = Stage<kNorm ? 0 : MT, RT>;
 
@@ -485,14 +487,18 @@ void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream
 // as many weight bytes in flight as two blocks did. The tiles and the ring never change a
 // feature's reduction order (the warps split K alone), so every form gives the same bits.
 // H100, bench-step at context 512: the DFlash step 7.93 -> 7.69 ms at batch 1, 9.47 -> 8.50 ms
-// at batch 2 (wide blocks with the 12 KiB ring: 8.22 ms at batch 1). `wide` forces a side (tests).
+// at batch 2 (wide blocks with the 12 KiB ring: 8.22 ms at batch 1). Products of fewer rows than
+// 16 an SM (the 30B-A3B shape's o and its draft's down: 2048 rows, 128 blocks, one an SM either
+// way) take one tile with the deep ring, up to 12 stages (H100, 12 layers of that shape: the
+// DFlash step 2.370 -> 2.318 ms at batch 1, 3.328 -> 3.243 ms at batch 2). `wide` forces a side
+// (tests).
 constexpr int kMaxRowTiles = 4;
 int wide_row_tiles(const Mat& w, int64_t m, int n_sms, KernelForms::Wide wide) {
   using Wide = KernelForms::Wide;
   if (w.rows >= int64_t{32} * 2 * n_sms) return 0;  // two tiles a block leave two blocks per SM
   if (wide == Wide::never || (m <= 8 && wide != Wide::any_rows) || !wide_ring_fits()) return 0;
   const int64_t per_sm = (w.rows + int64_t{16} * n_sms - 1) / (int64_t{16} * n_sms);
-  return per_sm <= 1 ? 0 : static_cast<int>(std::min<int64_t>(per_sm, kMaxRowTiles));
+  return static_cast<int>(std::min<int64_t>(per_sm, kMaxRowTiles));
 }
 
 // Row tiles per block of a usual product: two only when that still leaves two blocks per SM.
@@ -511,6 +517,7 @@ void launch_tiled(const Mat& x, const Mat& w, const Mat& all, const bf16* bias, 
                   KernelForms::Wide wide, cudaStream_t s) {
   switch (wide_row_tiles(all, x.rows, n_sms, wide)) {
     case 0: break;
+    case 1: return launch_rt<1, false, true>(x, w, bias, out, s, groups);
     case 2: return launch_rt<2, false, true>(x, w, bias, out, s, groups);
     case 3: return launch_rt<3, false, true>(x, w, bias, out, s, groups);
     default: return launch_rt<4, false, true>(x, w, bias, out, s, groups);

@@ -1025,6 +1025,20 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
     const long long tiles_before = cuda::routed_tile_products(*gpu);
     gpu->moe(x.g, wg, out.g, &counts_g);
     cpu->moe(x.c, wc, out.c, &counts_c);
+    // Where the rule takes the warpgroup tile products (Hopper), the mma.sync tile form too: the
+    // rule's side on other GPUs, checked against the same reference.
+    const bool both_tiles = wide && cuda::warpgroup_tile_products(*gpu);
+    cuda::KernelForms mma_sync;
+    mma_sync.tile_mma = cuda::KernelForms::TileMma::mma_sync;
+    std::vector<float> mh;
+    Tensor out_mma;
+    if (both_tiles) {
+      cuda::force_kernel_forms(*gpu, mma_sync);
+      out_mma = gpu->alloc(c.m, c.h);
+      gpu->moe(x.g, wg, out_mma);
+      cuda::force_kernel_forms(*gpu, {});
+      mh = gpu->to_host(out_mma);
+    }
 
     const auto gh = gpu->to_host(out.g), ch = cpu->to_host(out.c);
     const std::vector<float>&xh = x.host, &guh = gate_up.host, &dh = down.host;
@@ -1071,6 +1085,11 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
       // 128, top 2 of 4, 4.3e-3 (H100): with few terms a row, a few such flips weigh more. A wrong
       // expert or weight moves a row by far more (order 1).
       EXPECT_LE(test::rel_l2_error(g, std::vector<float>(ref.begin(), ref.end())), 6e-3) << what << ", row " << r;
+      if (both_tiles) {
+        const std::vector<float> m(mh.begin() + int64_t{r} * c.h, mh.begin() + int64_t{r + 1} * c.h);
+        EXPECT_LE(test::rel_l2_error(m, std::vector<float>(ref.begin(), ref.end())), 6e-3)
+            << what << ", row " << r << " (mma.sync tile products)";
+      }
       EXPECT_LE(test::rel_l2_error(g, cc), 1e-1) << what << ", row " << r << " against the CPU backend";
     }
     EXPECT_GE(safe, (c.m + 1) / 2) << what << ": too few rows with a clear routing to compare";
@@ -1093,7 +1112,8 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
     Tensor xi = inv->upload_host(x.host.data(), c.m, c.h), whole = inv->alloc(c.m, c.h);
     inv->moe(xi, wi, whole);
     EXPECT_EQ(cuda::routed_tile_products(*inv), 0) << what << ": tile products on a batch-invariant backend";
-    EXPECT_EQ(cuda::routed_tile_products(*gpu) - tiles_before, wide ? 1 : 0) << what << ": whether the tile products ran";
+    EXPECT_EQ(cuda::routed_tile_products(*gpu) - tiles_before, wide ? (both_tiles ? 2 : 1) : 0)
+        << what << ": whether the tile products ran";
     if (wide) {
       // The skinny kernel's routed form on the same logits: close (the tile products sum in another
       // k order, so some bits usually differ; on small shapes all may agree by chance).
@@ -1114,6 +1134,13 @@ TEST_F(CudaOps, MoeMatchesCpuAndRowsAreBatchInvariant) {
       gpu->moe(other_g, wg, other_out);
       EXPECT_EQ(gpu->to_host(other_out.slice_rows(keep, 1)), gpu->to_host(out.g.slice_rows(keep, 1)))
           << what << ": row " << keep << " among other rows";
+      if (both_tiles) {
+        cuda::force_kernel_forms(*gpu, mma_sync);
+        gpu->moe(other_g, wg, other_out);
+        cuda::force_kernel_forms(*gpu, {});
+        EXPECT_EQ(gpu->to_host(other_out.slice_rows(keep, 1)), gpu->to_host(out_mma.slice_rows(keep, 1)))
+            << what << ": row " << keep << " among other rows (mma.sync tile products)";
+      }
     }
     for (int r : {0, c.m / 2, c.m - 1}) {
       Tensor one = inv->alloc(1, c.h);

@@ -381,6 +381,12 @@ void force_kernel_forms(Backend& cuda_backend, const KernelForms& forms) {
   be->force_forms(forms);
 }
 
+bool warpgroup_tile_products(const Backend& cuda_backend) {
+  check(dynamic_cast<const CudaBackend*>(&cuda_backend) != nullptr, "warpgroup_tile_products: ", cuda_backend.name(),
+        " is not the CUDA backend");
+  return moe_gemm_wgmma_built();
+}
+
 long long routed_tile_products(const Backend& cuda_backend) {
   const auto* be = dynamic_cast<const CudaBackend*>(&cuda_backend);
   check(be != nullptr, "routed_tile_products: ", cuda_backend.name(), " is not the CUDA backend");

@@ -68,8 +68,10 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   Tensor y = scratch ? scratch->y.slice_rows(0, pairs) : alloc(pairs, h);
   RoutedRows rows{i32(items), i32(n_items), i32(pair_list), i32(next_units), w.top_k, 2 * ff * w.gate_up.stride};
   const ExpertViews e = expert_views(w, h);
+  const bool wgmma = forms_.tile_mma == KernelForms::TileMma::by_rule && moe_gemm_wgmma_built();
+  auto tiles = wgmma ? launch_moe_gemm_wgmma : launch_moe_gemm;
   staging_.launch([&](cudaStream_t s) {
-    if (wide) launch_moe_gemm(mat(x), e.gate_up, mat(act), rows, /*swiglu=*/true, max_items, s);
+    if (wide) tiles(mat(x), e.gate_up, mat(act), rows, /*swiglu=*/true, max_items, s);
     else launch_skinny_gemm_routed(mat(x), e.gate_up, mat(act), rows, /*swiglu=*/true, tile, max_items, s);
   });
   rows.x_div = 1;
@@ -80,7 +82,7 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
   rows.next_unit = i32(next_units) + 1;
   rows.items_ready = true;
   staging_.launch([&](cudaStream_t s) {
-    if (wide) launch_moe_gemm(mat(act), e.down, mat(y), rows, /*swiglu=*/false, max_items, s);
+    if (wide) tiles(mat(act), e.down, mat(y), rows, /*swiglu=*/false, max_items, s);
     else launch_skinny_gemm_routed(mat(act), e.down, mat(y), rows, /*swiglu=*/false, tile, max_items, s);
   });
   if (scratch && scratch->defer_sum) {  // the next RMSNorm sums the experts' outputs as it reads them

@@ -1,7 +1,8 @@
-// Kernel forms the CUDA backend chooses by a rule on the shapes: each side of these rules runs in
-// production (the rule decides by batch and grid size), and every side gives the same bits. Tests
-// force one side to compare them; production leaves every form to its rule. No CUDA headers here:
-// the tests include it in every build.
+// Kernel forms the CUDA backend chooses by a rule on the shapes or the GPU: each side of these rules
+// runs in production (the rule decides by batch, grid size or GPU), and every side gives the same
+// bits unless its comment says otherwise (the routed products' forms). Tests force one side to
+// compare them; production leaves every form to its rule. No CUDA headers here: the tests include
+// it in every build.
 #pragma once
 
 namespace dflash {
@@ -24,6 +25,9 @@ struct KernelForms {
   // Routed (MoE) products: tile products (moe_gemm.cu) or the skinny kernel's routed form. Rule:
   // tiles where a step's pairs average 32 or more an expert, unless batch-invariant.
   enum class RoutedTiles { by_rule, never } routed_tiles = RoutedTiles::by_rule;
+  // The tile products' arithmetic: Hopper's warpgroup products (wgmma) or mma.sync (bits differ).
+  // Rule: warpgroup products where the GPU runs this build's sm_90a code (H100, H200), else mma.sync.
+  enum class TileMma { by_rule, mma_sync } tile_mma = TileMma::by_rule;
 };
 
 // Sets the forms of a backend made by make_cuda_backend (tests). Throws Error for any other
@@ -33,6 +37,10 @@ void force_kernel_forms(Backend& cuda_backend, const KernelForms& forms);
 // How many routed products a backend made by make_cuda_backend has run as tile products (tests:
 // whether a step took them; their bits may equal the skinny form's by chance on small shapes).
 long long routed_tile_products(const Backend& cuda_backend);
+
+// Whether a backend made by make_cuda_backend takes the warpgroup tile products by rule (tests: then
+// the mma.sync form is the rule's other side, to be forced).
+bool warpgroup_tile_products(const Backend& cuda_backend);
 
 }  // namespace cuda
 }  // namespace dflash

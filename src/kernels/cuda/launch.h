@@ -156,6 +156,11 @@ void launch_skinny_gemm_routed(const Mat& x, const Mat& w, Mat out, const Routed
 // kMoeGemmPairs pairs (the routing's items at that tile size), each expert's weights read once an
 // item; a pair's result does not depend on the others but its bits differ from the skinny form's.
 constexpr int kMoeGemmPairs = 128;
+// The same items through Hopper's warpgroup products (moe_gemm_wgmma.cu; other bits), where
+// moe_gemm_wgmma_built(): the device runs this build's sm_90a code.
+void launch_moe_gemm_wgmma(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu,
+                           int max_items, cudaStream_t s);
+bool moe_gemm_wgmma_built();
 void launch_moe_gemm(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, bool swiglu, int max_items,
                      cudaStream_t s);
 

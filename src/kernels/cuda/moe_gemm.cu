@@ -9,11 +9,12 @@
 // A pair's result depends only on its own row and its expert (the k order is fixed), so rows are
 // batch-invariant within this form; its bits differ from the skinny kernel's (another k order),
 // so the backend takes it only for steps wide enough (see CudaBackend::moe) and never with
-// --batch-invariant.
+// --batch-invariant. On Hopper the warpgroup form (moe_gemm_wgmma.cu) takes its place.
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/moe_tiles.cuh"
 #include "kernels/cuda/pdl.cuh"
 
 namespace dflash::cuda {
@@ -36,13 +37,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gemm_kernel(const bf16* __res
                                                                RoutedRows routed) {
   DFLASH_DYNAMIC_SMEM(smem_raw);
   TileStage* ring = reinterpret_cast<TileStage*>(smem_raw);
-  pdl_begin();  // the items come from the routing kernel
-  const int item = blockIdx.y;
-  if (item >= *routed.n_items) return;
-  const int32_t* it = routed.items + 3 * item;
-  const int count = it[2];
-  const int32_t* pairs = routed.pairs + it[1];
-  const bf16* we = w + it[0] * routed.w_step;
+  TileItem item;
+  if (!tile_item(routed, w, item)) return;
+  const int count = item.count;
+  const int32_t* pairs = item.pairs;
+  const bf16* we = item.w;
   constexpr int kFeatures = kSwiglu ? kRows / 2 : kRows;  // output features of a block
   const int64_t f0 = int64_t{blockIdx.x} * kFeatures;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
@@ -135,17 +134,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_gemm_kernel(const bf16* __res
 
 template <bool kSwiglu>
 void launch_as(const Mat& x, const Mat& w, Mat out, const RoutedRows& routed, int max_items, cudaStream_t s) {
-  constexpr auto kernel = moe_gemm_kernel<kSwiglu>;
-  constexpr size_t smem = sizeof(TileStage) * kStages;
   static std::atomic<uint64_t> configured{0};
-  once_per_device(configured, [] {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  });
-  const int64_t n = kSwiglu ? out.cols : w.rows;
-  constexpr int kFeatures = kSwiglu ? kRows / 2 : kRows;
-  const dim3 grid(static_cast<unsigned>((n + kFeatures - 1) / kFeatures), static_cast<unsigned>(max_items));
-  launch_smem(kernel, grid, kThreads, smem, s, x.data, x.stride, w.data, w.stride, static_cast<int>(n),
-              static_cast<int>(w.cols), out.data, out.stride, routed);
+  launch_routed_tiles<kSwiglu ? kRows / 2 : kRows, kSwiglu>(moe_gemm_kernel<kSwiglu>, configured,
+                                                           sizeof(TileStage) * kStages, kThreads, x, w, out, routed,
+                                                           max_items, s);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "engine_runs.h"
 #include "kernels/backend.h"
 #include "kernels/communicator.h"
+#include "kernels/cuda/kernel_forms.h"
 #include "model/target_model.h"
 #include "test_util.h"
 #include "util/dtype.h"
@@ -232,6 +233,83 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
     for (size_t i = 0; i < out.size(); ++i) wrong += out[i] != want[i];
     EXPECT_EQ(wrong, 0u) << "case " << what;
   }
+}
+
+// A product split along K, summed over two GPUs (Communicator::matmul_all_reduce): where the
+// skinny kernel takes it, its blocks send their outputs to the peer as they finish and a small
+// kernel adds them up. Every rank must get the float32 sum of the ranks' own products rounded once
+// (what all_reduce_sum gives), whatever collectives come between; larger products take the
+// product and all_reduce_sum.
+TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
+  struct Case {
+    int64_t rows, k, n;
+    bool bias, pushed;
+  };
+  const std::vector<Case> shapes = {{1, 2048, 4096, false, true},  {16, 2048, 4096, false, true},
+                                    {32, 1536, 4096, true, true},  {3, 512, 1000, true, true},
+                                    {7, 256, 2048, false, true},   {40, 512, 4096, false, false},
+                                    {32, 256, 16384, false, false}, {1, 6144, 4096, true, true}};
+  std::vector<Case> cases;
+  for (int round = 0; round < 3; ++round) cases.insert(cases.end(), shapes.begin(), shapes.end());
+  auto be0 = make_cuda_backend();
+  std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
+  std::vector<std::vector<float>> own[2], summed[2];
+  long long pushed[2] = {0, 0};
+  auto rank = [&](int r, Backend& be) {
+    Communicator& comm = devices->comm(r);
+    const long long before = cuda::pushed_products(be);
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const Case& k = cases[c];
+      std::mt19937 rng(static_cast<uint32_t>(1000 * c + r));
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      auto random = [&](int64_t rows, int64_t cols) {
+        std::vector<float> v(static_cast<size_t>(rows * cols));
+        for (float& e : v) e = u(rng);
+        return be.upload_host(v.data(), rows, cols);
+      };
+      const Tensor x = random(k.rows, k.k), w = random(k.n, k.k);
+      const Tensor bias = random(1, k.n);
+      const Tensor* b = k.bias && r == 0 ? &bias : nullptr;  // the output bias on rank 0 only
+      Tensor y = be.alloc(k.rows, k.n), out = be.alloc(k.rows, k.n);
+      be.matmul(x, w, b, y);
+      own[r].push_back(be.to_host(y));
+      comm.matmul_all_reduce(be, x, w, b, out);
+      if (c % 3 == 1) {  // other collectives between the sums
+        Tensor t = random(16, 4096);
+        comm.all_reduce_sum(be, t);
+        comm.broadcast(be, t);
+      }
+      summed[r].push_back(be.to_host(out));
+    }
+    pushed[r] = cuda::pushed_products(be) - before;
+  };
+  std::exception_ptr error;
+  std::thread one([&] {
+    try {
+      auto be1 = devices->make_backend(1);
+      rank(1, *be1);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  rank(0, *be0);
+  one.join();
+  if (error) std::rethrow_exception(error);
+  long long want_pushed = 0;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const Case& k = cases[c];
+    want_pushed += k.pushed;
+    const std::string what = ::testing::PrintToString(c) + " (" + std::to_string(k.rows) + " x " +
+                             std::to_string(k.k) + " -> " + std::to_string(k.n) + ")";
+    ASSERT_EQ(summed[0][c], summed[1][c]) << "case " << what << ": the ranks differ";
+    ASSERT_EQ(summed[0][c].size(), own[0][c].size()) << "case " << what;
+    size_t wrong = 0;
+    for (size_t i = 0; i < own[0][c].size(); ++i)
+      wrong += summed[0][c][i] != bf16_to_f32(f32_to_bf16(own[0][c][i] + own[1][c][i]));
+    EXPECT_EQ(wrong, 0u) << "case " << what;
+  }
+  EXPECT_EQ(pushed[0], want_pushed) << "products that sent their outputs on rank 0";
+  EXPECT_EQ(pushed[1], want_pushed) << "products that sent their outputs on rank 1";
 }
 
 TEST_F(CudaTensorParallel, MoreRanksThanGpusAreRefused) {

@@ -16,6 +16,13 @@ class Communicator {
   virtual ~Communicator() = default;
   // t = the sum of every rank's t, the same bits on every rank.
   virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
+  // out = the sum of every rank's x * w^T (+ bias): a product split along K, whose shares are added
+  // as all_reduce_sum adds them (the same bits). A backend may send the shares while the product
+  // runs.
+  virtual void matmul_all_reduce(Backend& be, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) {
+    be.matmul(x, w, bias, out);
+    all_reduce_sum(be, out);
+  }
   // t = rank 0's t (same shape on every rank).
   virtual void broadcast(Backend& be, Tensor& t) = 0;
   // all [part.rows, size * part.cols]: row i holds row i of every rank's part side by side, rank

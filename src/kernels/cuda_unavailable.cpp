@@ -18,6 +18,7 @@ std::unique_ptr<RankDevices> make_cuda_rank_devices(const Backend&, int) {
 
 void cuda::force_kernel_forms(Backend&, const KernelForms&) { throw Error("this dflash was built without CUDA"); }
 long long cuda::routed_tile_products(const Backend&) { throw Error("this dflash was built without CUDA"); }
+long long cuda::pushed_products(const Backend&) { throw Error("this dflash was built without CUDA"); }
 bool cuda::warpgroup_tile_products(const Backend&) { throw Error("this dflash was built without CUDA"); }
 
 }  // namespace dflash

@@ -340,6 +340,13 @@ static StackScratch stack_scratch(Backend& be, const ModelConfig& c, const std::
   return t;
 }
 
+// out = x * w^T (+ bias), summed over the ranks when w's columns are split among them.
+static void split_k_matmul(Backend& be, const StackInputs& in, const Tensor& x, const Tensor& w, const Tensor* bias,
+                           Tensor& out) {
+  if (in.comm) in.comm->matmul_all_reduce(be, x, w, bias, out);
+  else be.matmul(x, w, bias, out);
+}
+
 // A layer's token mixer from its normalized input t.h into t.delta: attention over the paged
 // cache (Qwen3.5: times the sigmoid of its gate) or Gated DeltaNet over the sequences' states.
 static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w, size_t l, const StackInputs& in,
@@ -350,8 +357,7 @@ static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w
     const LinearAttentionParams lp{lc.n_k_heads, lc.n_v_heads, lc.k_dim, lc.v_dim, lc.conv_kernel, c.rms_norm_eps};
     be.gated_delta_net(t.proj, w.linear, lp, in.cache->recurrent, static_cast<int>(l), *in.recurrent, t.core,
                        t.gdn.empty() ? nullptr : &t.gdn);
-    be.matmul(t.core, w.linear_out, nullptr, t.delta);
-    if (in.comm) in.comm->all_reduce_sum(be, t.delta);  // the ranks' heads' shares
+    split_k_matmul(be, in, t.core, w.linear_out, nullptr, t.delta);  // the ranks' heads' shares
     return;
   }
   const int64_t q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
@@ -360,8 +366,7 @@ static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w
   be.qkv_attention(qkv, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps, *in.inv_freq, *in.kv_slots, in.cache->k[l],
                    in.cache->v[l], *in.segments, *in.positions, ap, t.attn);
   if (c.attn_output_gate) be.sigmoid_mul(t.attn, t.qkv.slice_cols(q_dim + 2 * kv_dim, q_dim));
-  be.matmul(t.attn, w.o, opt(w.o_bias), t.delta);
-  if (in.comm) in.comm->all_reduce_sum(be, t.delta);  // the ranks' heads' shares
+  split_k_matmul(be, in, t.attn, w.o, opt(w.o_bias), t.delta);  // the ranks' heads' shares
 }
 
 Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
@@ -426,8 +431,7 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     }
     be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), t.act, &t.gate_up);
     std::swap(cur, next);
-    be.matmul(t.act, w.down, opt(w.down_bias), delta);
-    if (in.comm) in.comm->all_reduce_sum(be, delta);  // the ranks' features' shares
+    split_k_matmul(be, in, t.act, w.down, opt(w.down_bias), delta);  // the ranks' features' shares
   }
   be.add_rms_norm(*cur, delta, x, final_norm, c.rms_norm_eps, h);  // x is the last layer's output
   for (Tensor& slice : capture_slices(layers.size() - 1)) be.capture_rows(x, slice);

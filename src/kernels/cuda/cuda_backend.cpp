@@ -393,6 +393,12 @@ long long routed_tile_products(const Backend& cuda_backend) {
   return be->routed_tile_products();
 }
 
+long long pushed_products(const Backend& cuda_backend) {
+  const auto* be = dynamic_cast<const CudaBackend*>(&cuda_backend);
+  check(be != nullptr, "pushed_products: ", cuda_backend.name(), " is not the CUDA backend");
+  return be->pushed_products();
+}
+
 }  // namespace cuda
 
 int cuda_device_count() {

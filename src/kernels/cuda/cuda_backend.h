@@ -49,6 +49,7 @@ class CudaBackend final : public Backend {
   // Tests: one side of the kernels' shape rules (KernelForms).
   void force_forms(const KernelForms& forms) { forms_ = forms; }
   long long routed_tile_products() const { return routed_tile_products_; }
+  long long pushed_products() const { return pushed_products_; }
 
   std::string name() const override { return std::string("cuda (") + props_.name + ")"; }
   bool memory_info(int64_t& free_bytes, int64_t& total_bytes) override;
@@ -80,6 +81,9 @@ class CudaBackend final : public Backend {
   void embed(const Tensor& table, const std::vector<int32_t>& ids, Tensor& out,
              const DeviceTokens* from_device) override;
   void matmul(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) override;
+  // matmul through the skinny kernel whole, its blocks also sending their outputs to the peers
+  // (launch_skinny_gemm_pushed); false, with nothing launched, where the product takes another form.
+  bool matmul_pushing(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out, const PeerPush& push);
   void matmul_swiglu(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& gate_up, Tensor& out) override;
   void norm_matmul(const ResidualNorm& n, Tensor& h, const Tensor& w, const Tensor* bias, Tensor& out,
                    Tensor* gate_up) override;
@@ -156,6 +160,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<LtGemm> lt_;
   KernelForms forms_;  // by rule, unless a test forces a form
   long long routed_tile_products_ = 0;  // moe() calls that took the tile products (tests)
+  long long pushed_products_ = 0;       // matmul_pushing calls that launched (tests)
   TopCandidatesRow* top_out_ = nullptr;  // top_candidates' results, device and pinned host
   TopCandidatesRow* top_host_ = nullptr;
   std::map<std::vector<float>, float*> inv_freq_;

@@ -85,6 +85,20 @@ void CudaBackend::matmul(const Tensor& x, const Tensor& w, const Tensor* bias, T
   if (bias) staging_.launch([&](cudaStream_t s) { launch_add_bias(mat(out), bf16_or_null(bias), s); });
 }
 
+bool CudaBackend::matmul_pushing(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out,
+                                 const PeerPush& push) {
+  require_bf16(x, "matmul input");
+  require_bf16(w, "matmul weight");
+  check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "cuda backend: matmul shape mismatch");
+  if (!skinny_gemm_supported(mat(x), mat(w), mat(out))) return false;
+  staging_.launch([&](cudaStream_t s) {
+    launch_skinny_gemm_pushed(mat(x), mat(w), bf16_or_null(bias), mat(out), props_.multiProcessorCount,
+                              forms_.skinny_wide, push, s);
+  });
+  ++pushed_products_;
+  return true;
+}
+
 void CudaBackend::matmul_swiglu(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& gate_up, Tensor& out) {
   require_bf16(x, "matmul input");
   require_bf16(w, "matmul weight");

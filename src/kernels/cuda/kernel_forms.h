@@ -38,6 +38,10 @@ void force_kernel_forms(Backend& cuda_backend, const KernelForms& forms);
 // whether a step took them; their bits may equal the skinny form's by chance on small shapes).
 long long routed_tile_products(const Backend& cuda_backend);
 
+// How many products a backend made by make_cuda_backend has run sending their outputs to the
+// peers (Communicator::matmul_all_reduce; tests: whether a sum took that path).
+long long pushed_products(const Backend& cuda_backend);
+
 // Whether a backend made by make_cuda_backend takes the warpgroup tile products by rule (tests: then
 // the mma.sync form is the rule's other side, to be forced).
 bool warpgroup_tile_products(const Backend& cuda_backend);

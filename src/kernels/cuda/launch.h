@@ -120,6 +120,11 @@ constexpr int kSkinnyMaxRows = 32;
 bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out);
 void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, KernelForms::Wide wide,
                         cudaStream_t s);
+// The same, each block also storing its outputs into the peers' push inboxes for
+// launch_peer_pushed_sum (peer_collectives.h; out contiguous, peer_push_fits).
+struct PeerPush;
+void launch_skinny_gemm_pushed(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms,
+                               KernelForms::Wide wide, const PeerPush& push, cudaStream_t s);
 // The product of `count` row groups (Backend::matmul_row_groups): w is the first group, group g's
 // rows start g * group_step rows after it, and its outputs are columns g * w.rows, ... of out.
 bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count);

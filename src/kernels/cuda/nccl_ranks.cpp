@@ -40,7 +40,8 @@ ncclDataType_t nccl_type(const Tensor& t) {
 }
 
 // The group's memory for the peer collectives: on each GPU its inbox, acknowledgements and call
-// counts (zeroed), and one host-mapped stop flag. Only where every GPU reaches every other, and
+// counts, the pushed sums' inbox, call count and block count (all zeroed), and one host-mapped
+// stop flag. Only where every GPU reaches every other, and
 // for at most kPeerMaxRanks GPUs.
 class PeerMemory {
  public:
@@ -57,6 +58,9 @@ class PeerMemory {
     const size_t inbox_bytes = static_cast<size_t>(cuda::kPeerInboxBytesPerPeer) * static_cast<size_t>(size - 1);
     const size_t acks_bytes = sizeof(uint64_t) * cuda::kPeerMaxBlocks * cuda::kPeerMaxRanks;
     const size_t calls_bytes = sizeof(uint64_t) * cuda::kPeerMaxBlocks;
+    const size_t push_inbox_bytes = static_cast<size_t>(cuda::kPushInboxBytesPerPeer) * static_cast<size_t>(size - 1);
+    push_.resize(static_cast<size_t>(size));
+    std::vector<uint2*> push_inbox(static_cast<size_t>(size));
     for (int d = 0; d < size; ++d) {
       cuda::DeviceGuard on(d);
       for (int p = 0; p < size; ++p) {
@@ -68,6 +72,13 @@ class PeerMemory {
       void* inbox = alloc_zeroed(d, inbox_bytes);
       void* acks = alloc_zeroed(d, acks_bytes);
       void* calls = alloc_zeroed(d, calls_bytes);
+      push_inbox[static_cast<size_t>(d)] = static_cast<uint2*>(alloc_zeroed(d, push_inbox_bytes));
+      cuda::PeerPush& pp = push_[static_cast<size_t>(d)];
+      pp.calls = static_cast<uint64_t*>(alloc_zeroed(d, sizeof(uint64_t)));
+      pp.done = static_cast<unsigned*>(alloc_zeroed(d, sizeof(unsigned)));
+      pp.stop = stop_;
+      pp.rank = d;
+      pp.n_ranks = size;
       CUDA_CHECK(cudaDeviceSynchronize());
       for (int r = 0; r < size; ++r) {
         args_[static_cast<size_t>(r)].inbox[d] = static_cast<uint4*>(inbox);
@@ -78,6 +89,14 @@ class PeerMemory {
       args_[static_cast<size_t>(d)].n_ranks = size;
       args_[static_cast<size_t>(d)].stop = stop_;
     }
+    // Rank r's slot in rank q's push inbox: r, less one past q (as the collectives' inbox).
+    auto slot = [&](int r, int q) { return push_inbox[static_cast<size_t>(q)] + (r < q ? r : r - 1) * 2 * cuda::kPushMaxWords; };
+    for (int r = 0; r < size; ++r)
+      for (int q = 0; q < size; ++q) {
+        if (q == r) continue;
+        push_[static_cast<size_t>(r)].to[q] = slot(r, q);
+        push_[static_cast<size_t>(r)].from[q] = slot(q, r);
+      }
   }
   ~PeerMemory() {
     for (const auto& [device, p] : owned_) {
@@ -90,6 +109,7 @@ class PeerMemory {
   const cuda::PeerArgs* args(int rank) const {
     return args_.empty() ? nullptr : &args_[static_cast<size_t>(rank)];
   }
+  const cuda::PeerPush* push(int rank) const { return push_.empty() ? nullptr : &push_[static_cast<size_t>(rank)]; }
   void stop() {
     if (stop_) *static_cast<volatile int*>(stop_) = 1;
   }
@@ -104,13 +124,14 @@ class PeerMemory {
   }
   int* stop_ = nullptr;
   std::vector<cuda::PeerArgs> args_;
+  std::vector<cuda::PeerPush> push_;
   std::vector<std::pair<int, void*>> owned_;
 };
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, const cuda::PeerArgs* peer, const std::string* stopped)
-      : comm_(comm), peer_(peer), stopped_(stopped) {}
+  NcclCommunicator(ncclComm_t comm, const cuda::PeerArgs* peer, const cuda::PeerPush* push, const std::string* stopped)
+      : comm_(comm), peer_(peer), push_(push), stopped_(stopped) {}
   void all_reduce_sum(Backend& be, Tensor& t) override {
     auto& c = ready(be, t, "all-reduce");
     const int64_t n = t.rows * t.cols;
@@ -121,6 +142,19 @@ class NcclCommunicator final : public Communicator {
     c.launch_library([&](cudaStream_t s) {
       NCCL_CHECK(ncclAllReduce(t.data, t.data, static_cast<size_t>(n), nccl_type(t), ncclSum, comm_, s));
     });
+  }
+  // Where the product is the skinny kernel's, its blocks send their outputs as they finish and a
+  // small kernel adds them up.
+  void matmul_all_reduce(Backend& be, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) override {
+    auto& c = ready(be, out, "all-reduce");
+    if (push_ && out.dtype == DType::BF16 && out.stride == out.cols &&
+        cuda::peer_push_fits(out.data, out.rows, out.cols) && c.matmul_pushing(x, w, bias, out, *push_)) {
+      c.launch_library([&](cudaStream_t s) {
+        cuda::launch_peer_pushed_sum(*push_, static_cast<cuda::bf16*>(out.data), out.rows * out.cols, s);
+      });
+      return;
+    }
+    Communicator::matmul_all_reduce(be, x, w, bias, out);
   }
   void all_gather(Backend& be, const Tensor& part, Tensor& all) override {
     auto& c = ready(be, part, "all-gather");
@@ -173,6 +207,7 @@ class NcclCommunicator final : public Communicator {
   }
   ncclComm_t comm_;
   const cuda::PeerArgs* peer_;
+  const cuda::PeerPush* push_;
   const std::string* stopped_;
 };
 
@@ -198,7 +233,7 @@ class NcclRankDevices final : public RankDevices {
     peer_ = std::make_unique<PeerMemory>(size);
     CUDA_CHECK(cudaSetDevice(0));  // the caller's thread runs rank 0
     for (int r = 0; r < size; ++r)
-      communicators_.push_back(std::make_unique<NcclCommunicator>(comms_[static_cast<size_t>(r)], peer_->args(r), &stopped_));
+      communicators_.push_back(std::make_unique<NcclCommunicator>(comms_[static_cast<size_t>(r)], peer_->args(r), peer_->push(r), &stopped_));
   }
   ~NcclRankDevices() override {
     for (ncclComm_t c : comms_) {

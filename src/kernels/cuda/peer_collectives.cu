@@ -6,6 +6,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/peer_words.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -171,7 +172,51 @@ int64_t peer_collective_max_bytes() {
   return bytes;
 }
 
+constexpr int kPushThreads = 256;
+
+// Word w of t (two bf16) = the sum over the ranks of their word w in rank order, in float32 (this
+// rank's from t, the peers' from its push inbox, where their products stored them): a thread a
+// word, so that a block's loads are all in flight at once. The call's number is read by every
+// block and advanced by the last one to finish, so the next product reads the new number.
+__global__ void __launch_bounds__(kPushThreads) pushed_sum_kernel(PeerPush p, uint32_t* t, int64_t words) {
+  pdl_begin();  // the product (and every earlier sum) is complete
+  __shared__ uint64_t call_s;
+  if (threadIdx.x == 0) call_s = *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
+  __syncthreads();
+  const uint64_t call = call_s;
+  const uint32_t flag = static_cast<uint32_t>(call);
+  const int64_t half = static_cast<int64_t>(call & 1) * kPushMaxWords;
+  const int64_t w = int64_t{blockIdx.x} * kPushThreads + threadIdx.x;
+  if (w < words) {
+    float s0 = 0.0f, s1 = 0.0f;
+    for (int q = 0; q < p.n_ranks; ++q) {
+      const uint32_t d = q == p.rank ? t[w] : load_flagged(p.from[q] + half + w, flag, p.stop);
+      const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&d));
+      s0 += x.x;
+      s1 += x.y;
+    }
+    const __nv_bfloat162 y = __floats2bfloat162_rn(s0, s1);
+    t[w] = *reinterpret_cast<const uint32_t*>(&y);
+  }
+  __syncthreads();  // thread 0 read the call's number before any block can advance it
+  if (threadIdx.x == 0 && atomicAdd(p.done, 1u) == gridDim.x - 1) {
+    *p.done = 0;
+    *reinterpret_cast<volatile uint64_t*>(p.calls) = call;
+  }
+}
+
 }  // namespace
+
+bool peer_push_fits(const void* out, int64_t rows, int64_t cols) {
+  return cols % 2 == 0 && rows * cols / 2 <= kPushMaxWords && reinterpret_cast<uintptr_t>(out) % 4 == 0;
+}
+
+void launch_peer_pushed_sum(const PeerPush& p, bf16* t, int64_t n, cudaStream_t s) {
+  const int64_t words = n / 2;
+  if (words == 0) return;
+  launch(pushed_sum_kernel, dim3(static_cast<unsigned>((words + kPushThreads - 1) / kPushThreads)), dim3(kPushThreads),
+         s, p, reinterpret_cast<uint32_t*>(t), words);
+}
 
 bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes) {
   return bytes % 4 == 0 && bytes <= std::min(max_bytes, peer_collective_max_bytes()) &&

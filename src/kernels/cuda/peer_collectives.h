@@ -35,6 +35,28 @@ struct PeerArgs {
   int rank = 0, n_ranks = 0;
 };
 
+// A pushed all-reduce: the row-split product on each rank stores its output's words into the
+// peers' push inboxes as its blocks finish (launch_skinny_gemm with a PeerPush), so that the words
+// travel while the product still runs, and launch_peer_pushed_sum then adds its own output and the
+// peers' words in rank order (the all-reduce's float32 sum, the same bits). Its own inbox and call
+// count: only exchanges (every rank sends) use them, so a rank that has its peers' words of call
+// c - 1 knows they are done reading call c - 2's half of its slot there (it is the half that call c
+// writes), and no acknowledgements are needed.
+constexpr int64_t kPushMaxWords = kPeerAllReduceMaxBytes / 4;  // 4-byte data words (2 bf16)
+constexpr int64_t kPushInboxBytesPerPeer = 2 * kPushMaxWords * 8;
+struct PeerPush {
+  uint2* to[kPeerMaxRanks] = {};          // rank q's push inbox, this rank's slot there (null: this rank)
+  const uint2* from[kPeerMaxRanks] = {};  // this rank's push inbox, rank q's slot
+  uint64_t* calls = nullptr;              // this rank's count of pushed sums
+  unsigned* done = nullptr;               // blocks of the sum under way that have finished
+  const volatile int* stop = nullptr;     // as PeerArgs::stop
+  int rank = 0, n_ranks = 0;              // n_ranks == 0: no push (a product's output stays local)
+};
+// Whether a product's [rows, cols] bf16 output (contiguous) can be summed this way.
+bool peer_push_fits(const void* out, int64_t rows, int64_t cols);
+// t [n bf16, contiguous] = the sum over the ranks of their t, which their products pushed.
+void launch_peer_pushed_sum(const PeerPush& p, bf16* t, int64_t n, cudaStream_t s);
+
 // Every rank calls the same collectives in the same order with the same sizes. What fits: bytes a
 // multiple of 4, at most max_bytes (kPeerMaxBytes, all-reduce: kPeerAllReduceMaxBytes) and what the
 // GPU holds at once (a block waits for the same block of the other ranks); pointers 4-byte aligned.

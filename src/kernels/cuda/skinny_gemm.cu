@@ -29,6 +29,8 @@
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/peer_collectives.h"
+#include "kernels/cuda/peer_words.cuh"
 #include "kernels/cuda/row_norm.cuh"
 
 namespace dflash::cuda {
@@ -126,13 +128,16 @@ __device__ __forceinline__ void normalize_rows(const RowNorm& norm, int M, int K
 // kRouted: a block takes work units from routed.next_unit: unit u is item u / gridDim.x of
 // routed.items (RoutedRows: an expert's weights and up to 8 * MT of its pairs, read from and
 // written to the pairs' rows), columns block u % gridDim.x.
+// push (plain forms, push.n_ranks > 1): each output word (two features of a token) also goes to
+// the peers' push inboxes, flagged with the pushed sum's call number (peer_collectives.h).
 template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kWide = false, bool kRouted = false>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
                                                                   int K, const bf16* __restrict__ bias,
                                                                   bf16* __restrict__ out, int64_t out_stride,
                                                                   RowNorm norm, int64_t w_group_step,
-                                                                  int out_group_cols, RoutedRows routed) {
+                                                                  int out_group_cols, RoutedRows routed,
+                                                                  PeerPush push) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_rows needs the whole block");
   constexpr int S = kStages<MT, RT, kNorm, kWide, kRouted>;
@@ -298,6 +303,36 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
 #pragma unroll
         for (int i = 0; i < 4; ++i) red[warp][rt][mt][i][lane] = acc[rt][mt][i];
     __syncthreads();
+    if constexpr (!kSwiglu && !kRouted && !kNorm) {
+      if (push.n_ranks > 1) {
+        // A thread takes two adjacent features of a token (the same sums as below, rounded
+        // together): one 4-byte word here and, flagged, in every peer's inbox.
+        const uint64_t call = *reinterpret_cast<const volatile uint64_t*>(push.calls) + 1;
+        const uint32_t flag = static_cast<uint32_t>(call);
+        const int64_t half = static_cast<int64_t>(call & 1) * kPushMaxWords;
+        for (int e = threadIdx.x; e < RT * 8 * MT * 8; e += kWarps * 32) {
+          const int token = e % (MT * 8), f = 2 * (e / (MT * 8));  // f: the pair's first feature in the block
+          const int64_t feature = o.n0 + f;
+          if (feature >= N || token >= M) continue;
+          const int rt = f / 16, mt = token / 8, tt = token % 8;
+          const int l = (f % 8) * 4 + tt / 2, i = (f % 16 >= 8 ? 2 : 0) + (tt & 1);  // feature f + 1: lane l + 4
+          float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kWarps; ++j) s0 += red[j][rt][mt][i][l], s1 += red[j][rt][mt][i][l + 4];
+          if (bias) {
+            s0 += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[feature]);
+            s1 += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[feature + 1]);
+          }
+          const __nv_bfloat162 y = __floats2bfloat162_rn(s0, s1);
+          const uint32_t word = *reinterpret_cast<const uint32_t*>(&y);
+          const int64_t at = token * out_stride + feature;  // out is contiguous: word at / 2 of the sum
+          *reinterpret_cast<uint32_t*>(out + at) = word;
+          for (int q = 0; q < push.n_ranks; ++q)
+            if (q != push.rank) store_flagged(push.to[q] + half + at / 2, word, flag);
+        }
+        return;
+      }
+    }
     constexpr int kElems = (kSwiglu ? 1 : RT) * MT * 4 * 32;
     for (int e = threadIdx.x; e < kElems; e += kWarps * 32) {
       const int l = e % 32, i = (e / 32) % 4, mt = (e / 128) % MT, rt = e / (128 * MT);
@@ -433,7 +468,7 @@ struct Groups {
 template <int MT, int RT, bool kSwiglu, bool kNorm = false, typename R = bf16, bool kWide = false,
           bool kRouted = false>
 void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const RowNorm& norm, cudaStream_t s,
-                  Groups groups = {}, const RoutedRows& routed = {}) {
+                  Groups groups = {}, const RoutedRows& routed = {}, const PeerPush& push = {}) {
   constexpr auto kernel = skinny_gemm_kernel<MT, RT, kSwiglu, kNorm, R, kWide, kRouted>;
   static std::atomic<uint64_t> configured{0};
   once_per_device(configured, [] {
@@ -465,17 +500,19 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   }
   launch_smem(kernel, dim3(blocks, groups.count), kWarps * 32, smem, s, x.data, x.stride, static_cast<int>(x.rows),
               w.data, w.stride, static_cast<int>(n), static_cast<int>(w.cols), bias, out.data, out.stride, norm,
-              groups.w_step, groups.out_cols, routed);
+              groups.w_step, groups.out_cols, routed, push);
 }
 
 template <int RT, bool kSwiglu = false, bool kWide = false>
-void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s, Groups groups = {}) {
+void launch_rt(const Mat& x, const Mat& w, const bf16* bias, Mat out, cudaStream_t s, Groups groups = {},
+               const PeerPush& push = {}) {
   const RowNorm none{};
+  const RoutedRows unrouted{};
   switch ((x.rows + 7) / 8) {
-    case 1: return launch_tiles<1, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups);
-    case 2: return launch_tiles<2, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups);
-    case 3: return launch_tiles<3, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups);
-    default: return launch_tiles<4, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups);
+    case 1: return launch_tiles<1, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups, unrouted, push);
+    case 2: return launch_tiles<2, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups, unrouted, push);
+    case 3: return launch_tiles<3, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups, unrouted, push);
+    default: return launch_tiles<4, RT, kSwiglu, false, bf16, kWide>(x, w, bias, out, none, s, groups, unrouted, push);
   }
 }
 
@@ -514,22 +551,27 @@ bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out) {
 namespace {
 // The block shape for all of a launch's groups together (`all`: every group's rows), then the launch.
 void launch_tiled(const Mat& x, const Mat& w, const Mat& all, const bf16* bias, Mat out, Groups groups, int n_sms,
-                  KernelForms::Wide wide, cudaStream_t s) {
+                  KernelForms::Wide wide, cudaStream_t s, const PeerPush& push = {}) {
   switch (wide_row_tiles(all, x.rows, n_sms, wide)) {
     case 0: break;
-    case 1: return launch_rt<1, false, true>(x, w, bias, out, s, groups);
-    case 2: return launch_rt<2, false, true>(x, w, bias, out, s, groups);
-    case 3: return launch_rt<3, false, true>(x, w, bias, out, s, groups);
-    default: return launch_rt<4, false, true>(x, w, bias, out, s, groups);
+    case 1: return launch_rt<1, false, true>(x, w, bias, out, s, groups, push);
+    case 2: return launch_rt<2, false, true>(x, w, bias, out, s, groups, push);
+    case 3: return launch_rt<3, false, true>(x, w, bias, out, s, groups, push);
+    default: return launch_rt<4, false, true>(x, w, bias, out, s, groups, push);
   }
-  if (two_row_tiles(all, n_sms)) launch_rt<2>(x, w, bias, out, s, groups);
-  else launch_rt<1>(x, w, bias, out, s, groups);
+  if (two_row_tiles(all, n_sms)) launch_rt<2>(x, w, bias, out, s, groups, push);
+  else launch_rt<1>(x, w, bias, out, s, groups, push);
 }
 }  // namespace
 
 void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, KernelForms::Wide wide,
                         cudaStream_t s) {
   launch_tiled(x, w, w, bias, out, Groups{}, n_sms, wide, s);
+}
+
+void launch_skinny_gemm_pushed(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms,
+                               KernelForms::Wide wide, const PeerPush& push, cudaStream_t s) {
+  launch_tiled(x, w, w, bias, out, Groups{}, n_sms, wide, s, push);
 }
 
 bool skinny_gemm_groups_supported(const Mat& x, const Mat& w, int count) {

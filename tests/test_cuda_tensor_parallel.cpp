@@ -239,7 +239,8 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
 // skinny kernel takes it, its blocks send their outputs to the peer as they finish and a small
 // kernel adds them up. Every rank must get the float32 sum of the ranks' own products rounded once
 // (what all_reduce_sum gives), whatever collectives come between; larger products take the
-// product and all_reduce_sum.
+// product and all_reduce_sum. The sum left to the norm that reads it (RankSum: the RMSNorm kernel
+// sums, or a summing kernel runs first) must give that norm's bits.
 TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
   struct Case {
     int64_t rows, k, n;
@@ -253,8 +254,8 @@ TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
   for (int round = 0; round < 3; ++round) cases.insert(cases.end(), shapes.begin(), shapes.end());
   auto be0 = make_cuda_backend();
   std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
-  std::vector<std::vector<float>> own[2], summed[2];
-  long long pushed[2] = {0, 0};
+  std::vector<std::vector<float>> own[2], summed[2], normed[2], normed_deferred[2];
+  long long pushed[2] = {0, 0}, deferred[2] = {0, 0};
   auto rank = [&](int r, Backend& be) {
     Communicator& comm = devices->comm(r);
     const long long before = cuda::pushed_products(be);
@@ -280,6 +281,29 @@ TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
         comm.broadcast(be, t);
       }
       summed[r].push_back(be.to_host(out));
+      // The same sum deferred to a norm (norm_in: the RMSNorm kernel; norm_matmul: a normalizing
+      // product up to 8 rows), against that norm of `out`.
+      std::vector<float> rv(static_cast<size_t>(k.rows * k.n));
+      for (float& e : rv) e = u(rng);
+      const Tensor res = be.upload_host_f32(rv.data(), k.rows, k.n), norm_w = random(1, k.n);
+      const Tensor w2 = random(64, k.n);
+      Tensor res_out = be.alloc_f32(k.rows, k.n), h = be.alloc(k.rows, k.n), y2 = be.alloc(k.rows, 64);
+      Tensor res_out_d = be.alloc_f32(k.rows, k.n), h_d = be.alloc(k.rows, k.n), y2_d = be.alloc(k.rows, 64);
+      be.norm_matmul(ResidualNorm{&res, &out, &res_out, &norm_w, 1e-6f}, h, w2, nullptr, y2);
+      std::vector<float> n0 = be.to_host(res_out), n1 = be.to_host(y2);
+      n0.insert(n0.end(), n1.begin(), n1.end());
+      normed[r].push_back(n0);
+      Tensor out_d = be.alloc(k.rows, k.n);
+      RankSum defer;
+      comm.matmul_all_reduce(be, x, w, b, out_d, &defer);
+      deferred[r] += defer.deferred;
+      const ResidualNorm nd{&res, &out_d, &res_out_d, &norm_w, 1e-6f, nullptr, nullptr, &defer};
+      if (c % 2 == 0) be.norm_in(nd, h_d), be.matmul(h_d, w2, nullptr, y2_d);
+      else be.norm_matmul(nd, h_d, w2, nullptr, y2_d);
+      EXPECT_FALSE(defer.deferred) << "case " << c << ": the norm left the sum over ranks deferred";
+      std::vector<float> d0 = be.to_host(res_out_d), d1 = be.to_host(y2_d);
+      d0.insert(d0.end(), d1.begin(), d1.end());
+      normed_deferred[r].push_back(d0);
     }
     pushed[r] = cuda::pushed_products(be) - before;
   };
@@ -307,9 +331,14 @@ TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
     for (size_t i = 0; i < own[0][c].size(); ++i)
       wrong += summed[0][c][i] != bf16_to_f32(f32_to_bf16(own[0][c][i] + own[1][c][i]));
     EXPECT_EQ(wrong, 0u) << "case " << what;
+    for (int r = 0; r < 2; ++r)
+      EXPECT_EQ(normed_deferred[r][c], normed[r][c]) << "case " << what << ", rank " << r << ": the deferred sum's norm";
   }
-  EXPECT_EQ(pushed[0], want_pushed) << "products that sent their outputs on rank 0";
-  EXPECT_EQ(pushed[1], want_pushed) << "products that sent their outputs on rank 1";
+  // Each pushed case ran two pushed products (summed at once, then deferred).
+  EXPECT_EQ(pushed[0], 2 * want_pushed) << "products that sent their outputs on rank 0";
+  EXPECT_EQ(pushed[1], 2 * want_pushed) << "products that sent their outputs on rank 1";
+  EXPECT_EQ(deferred[0], want_pushed) << "sums left to the norm on rank 0";
+  EXPECT_EQ(deferred[1], want_pushed) << "sums left to the norm on rank 1";
 }
 
 TEST_F(CudaTensorParallel, MoreRanksThanGpusAreRefused) {

@@ -96,6 +96,14 @@ struct DeviceTokens {
 // The normalized input of a layer's product: with delta, residual_out = residual + delta and
 // h = rmsnorm(residual_out) * weight (residual_out must not be residual: a fused product reads
 // one while it writes the other); without, h = rmsnorm(residual) * weight.
+// A sum over tensor-parallel ranks that the communicator left to the kernel reading its output
+// (Communicator::matmul_all_reduce, ResidualNorm::rank_sum): until then the output holds this
+// rank's share only. `exchange` is the backend's own description of where the shares are.
+struct RankSum {
+  bool deferred = false;
+  const void* exchange = nullptr;
+};
+
 struct ResidualNorm {
   const Tensor* residual = nullptr;
   const Tensor* delta = nullptr;
@@ -108,6 +116,9 @@ struct ResidualNorm {
   // delta is a routed MLP's output whose sum the backend deferred (MoeScratch::sum_deferred): it
   // is written first, by the kernel that reads it or by finish_moe_sum.
   MoeScratch* moe_sum = nullptr;
+  // delta is this rank's share of a sum over the ranks that the communicator deferred (RankSum):
+  // it is summed first, by the kernel that reads it or by finish_rank_sum.
+  RankSum* rank_sum = nullptr;
 };
 
 // Row groups of a weight: `count` groups of `rows` rows, group g starting at row first + g * step.
@@ -327,9 +338,16 @@ class Backend {
     s.sum_deferred = false;
     throw std::logic_error("finish_moe_sum: this backend never defers a routed MLP's sum");
   }
-  // n's delta written, when it is a routed MLP's output whose sum is still deferred.
+  // Writes out = the sum over the ranks that a communicator left deferred in s (RankSum), which
+  // it clears. Only backends whose communicators defer it implement this.
+  virtual void finish_rank_sum(RankSum& s, const Tensor& /*out*/) {
+    s.deferred = false;
+    throw std::logic_error("finish_rank_sum: no communicator of this backend defers a sum over ranks");
+  }
+  // n's delta written, when it is a routed MLP's output or a sum over ranks that is still deferred.
   void finish_pending_sum(const ResidualNorm& n) {
     if (n.moe_sum && n.moe_sum->sum_deferred) finish_moe_sum(*n.moe_sum, *n.delta);
+    if (n.rank_sum && n.rank_sum->deferred) finish_rank_sum(*n.rank_sum, *n.delta);
   }
   // Qwen3.5's Gated DeltaNet over proj = [q|k|v (conv_dim) | z (value_dim) | b (n_v) | a (n_v)] per
   // row (the layer's input projections), per segment on its slot of `cache` (layer `layer`):

@@ -17,9 +17,11 @@ class Communicator {
   // t = the sum of every rank's t, the same bits on every rank.
   virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
   // out = the sum of every rank's x * w^T (+ bias): a product split along K, whose shares are added
-  // as all_reduce_sum adds them (the same bits). A backend may send the shares while the product
-  // runs.
-  virtual void matmul_all_reduce(Backend& be, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) {
+  // as all_reduce_sum adds them (the same bits). A communicator may send the shares while the
+  // product runs. With defer (out goes only to the ResidualNorm that names it as rank_sum), it may
+  // also leave the sum to the kernel that reads out (defer->deferred says whether it did).
+  virtual void matmul_all_reduce(Backend& be, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out,
+                                 RankSum* /*defer*/ = nullptr) {
     be.matmul(x, w, bias, out);
     all_reduce_sum(be, out);
   }

@@ -340,24 +340,26 @@ static StackScratch stack_scratch(Backend& be, const ModelConfig& c, const std::
   return t;
 }
 
-// out = x * w^T (+ bias), summed over the ranks when w's columns are split among them.
+// out = x * w^T (+ bias), summed over the ranks when w's columns are split among them; with defer
+// (out goes only to the ResidualNorm that names it), the sum may be left to that norm's kernel.
 static void split_k_matmul(Backend& be, const StackInputs& in, const Tensor& x, const Tensor& w, const Tensor* bias,
-                           Tensor& out) {
-  if (in.comm) in.comm->matmul_all_reduce(be, x, w, bias, out);
+                           Tensor& out, RankSum* defer) {
+  check(!defer || !defer->deferred, "a deferred sum over the ranks was never read");
+  if (in.comm) in.comm->matmul_all_reduce(be, x, w, bias, out, defer);
   else be.matmul(x, w, bias, out);
 }
 
 // A layer's token mixer from its normalized input t.h into t.delta: attention over the paged
 // cache (Qwen3.5: times the sigmoid of its gate) or Gated DeltaNet over the sequences' states.
 static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w, size_t l, const StackInputs& in,
-                        StackScratch& t) {
+                        StackScratch& t, RankSum* defer) {
   if (w.is_linear()) {
     const LinearAttentionConfig& lc = c.linear;
     check(in.recurrent, "a Gated DeltaNet layer needs each sequence's recurrent state (ForwardBatch::recurrent)");
     const LinearAttentionParams lp{lc.n_k_heads, lc.n_v_heads, lc.k_dim, lc.v_dim, lc.conv_kernel, c.rms_norm_eps};
     be.gated_delta_net(t.proj, w.linear, lp, in.cache->recurrent, static_cast<int>(l), *in.recurrent, t.core,
                        t.gdn.empty() ? nullptr : &t.gdn);
-    split_k_matmul(be, in, t.core, w.linear_out, nullptr, t.delta);  // the ranks' heads' shares
+    split_k_matmul(be, in, t.core, w.linear_out, nullptr, t.delta, defer);  // the ranks' heads' shares
     return;
   }
   const int64_t q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
@@ -366,7 +368,7 @@ static void token_mixer(Backend& be, const ModelConfig& c, const LayerWeights& w
   be.qkv_attention(qkv, opt(w.q_norm), opt(w.k_norm), c.rms_norm_eps, *in.inv_freq, *in.kv_slots, in.cache->k[l],
                    in.cache->v[l], *in.segments, *in.positions, ap, t.attn);
   if (c.attn_output_gate) be.sigmoid_mul(t.attn, t.qkv.slice_cols(q_dim + 2 * kv_dim, q_dim));
-  split_k_matmul(be, in, t.attn, w.o, opt(w.o_bias), t.delta);  // the ranks' heads' shares
+  split_k_matmul(be, in, t.attn, w.o, opt(w.o_bias), t.delta, defer);  // the ranks' heads' shares
 }
 
 Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<LayerWeights>& layers,
@@ -396,13 +398,15 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
   };
   // A routed MLP's output whose weighted sum the backend left to the next layer's norm.
   MoeScratch* pending_sum = nullptr;
+  // delta's sum over the ranks, when the communicator left it to the norm that reads delta.
+  RankSum rank_sum;
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
     // delta holds the previous layer's MLP output, not yet added to the stream; the norm that adds
     // it also writes the previous layer's output to the features when that layer is captured.
     std::vector<Tensor> captures = l > 0 ? capture_slices(l - 1) : std::vector<Tensor>{};
     ResidualNorm attn_in{cur, l > 0 ? &delta : nullptr, l > 0 ? next : nullptr, &w.attn_norm, c.rms_norm_eps,
-                         captures.empty() ? nullptr : &captures[0], pending_sum};
+                         captures.empty() ? nullptr : &captures[0], pending_sum, &rank_sum};
     if (w.is_linear()) be.norm_matmul(attn_in, h, w.linear_in, nullptr, t.proj);
     else be.norm_matmul(attn_in, h, w.qkv, opt(w.qkv_bias), t.qkv);
     pending_sum = nullptr;
@@ -410,8 +414,8 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
       std::swap(cur, next);
       for (size_t i = 1; i < captures.size(); ++i) be.capture_rows(*cur, captures[i]);  // a layer listed twice
     }
-    token_mixer(be, c, w, l, in, t);
-    ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps};
+    token_mixer(be, c, w, l, in, t, &rank_sum);
+    ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps, nullptr, nullptr, &rank_sum};
     if (!w.moe.empty()) {
       // The output goes only to the next layer's norm unless it is summed over ranks, gets the
       // shared expert, or is the last layer's.
@@ -431,8 +435,10 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     }
     be.norm_matmul(mlp_in, h, w.gate_up, opt(w.gate_up_bias), t.act, &t.gate_up);
     std::swap(cur, next);
-    split_k_matmul(be, in, t.act, w.down, opt(w.down_bias), delta);  // the ranks' features' shares
+    // The last layer's output goes to add_rms_norm below, which takes no deferred sum.
+    split_k_matmul(be, in, t.act, w.down, opt(w.down_bias), delta, l + 1 < layers.size() ? &rank_sum : nullptr);
   }
+  check(!rank_sum.deferred, "a deferred sum over the ranks was never read");
   be.add_rms_norm(*cur, delta, x, final_norm, c.rms_norm_eps, h);  // x is the last layer's output
   for (Tensor& slice : capture_slices(layers.size() - 1)) be.capture_rows(x, slice);
   return h;

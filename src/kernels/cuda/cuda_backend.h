@@ -117,6 +117,8 @@ class CudaBackend final : public Backend {
   void norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
                 MoeScratch* scratch) override;
   void finish_moe_sum(MoeScratch& s, const Tensor& out) override;  // cuda_moe_ops.cpp
+  // s.exchange: the PeerPush of the rank (nccl_ranks.cpp) whose products pushed the shares.
+  void finish_rank_sum(RankSum& s, const Tensor& out) override;
   // Qwen3.5 (cuda_hybrid_ops.cpp)
   bool has_gated_delta_net() const override { return true; }
   void gated_delta_net(const Tensor& proj, const LinearAttentionWeights& w, const LinearAttentionParams& p,

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/peer_collectives.h"
 
 namespace dflash::cuda {
 namespace {
@@ -152,6 +153,24 @@ void CudaBackend::norm_matmul(const ResidualNorm& n, Tensor& h, const Tensor& w,
 // The RMSNorm kernel writes the capture too (no gather after it), and a routed MLP's deferred
 // sum (no combine kernel before it).
 void CudaBackend::norm_in(const ResidualNorm& n, Tensor& h) {
+  if (n.rank_sum && n.rank_sum->deferred && n.delta && !(n.moe_sum && n.moe_sum->sum_deferred)) {
+    // The pushed sum over the ranks in the RMSNorm kernel: no summing kernel before it.
+    const Tensor &r = *n.residual, &ro = *n.residual_out, &d = *n.delta;
+    const Mat c = n.capture ? mat(*n.capture) : Mat{nullptr, 0, 0, 0};
+    const bf16* w = static_cast<const bf16*>(n.weight->data);
+    if (row_norm(n).residual && h.dtype == DType::BF16 && h.rows == r.rows && h.cols == r.cols &&
+        d.stride == d.cols && d.cols % 8 == 0 &&
+        (!n.capture || (n.capture->dtype == DType::BF16 && n.capture->rows == r.rows && n.capture->cols == r.cols)) &&
+        add_rms_norm_captures(rows_of(r), mat(d), rows_of(ro), w, mat(h), c)) {
+      const auto* push = static_cast<const PeerPush*>(n.rank_sum->exchange);
+      staging_.launch([&](cudaStream_t s) {
+        launch_add_rms_norm(rows_of(r), mat(d), rows_of(ro), w, n.eps, mat(h), s, c, nullptr, push);
+      });
+      n.rank_sum->deferred = false;
+      return;
+    }
+    finish_pending_sum(n);
+  }
   if (n.moe_sum && n.moe_sum->sum_deferred && n.delta) {
     // row_norm checks the residual, delta, its output and the weight (types and shapes).
     const Tensor &r = *n.residual, &ro = *n.residual_out, &d = *n.delta;
@@ -182,6 +201,16 @@ void CudaBackend::norm_in(const ResidualNorm& n, Tensor& h) {
   staging_.launch([&](cudaStream_t s) {
     launch_add_rms_norm(rows_of(r), mat(*n.delta), rows_of(ro), w, n.eps, mat(h), s, mat(c));
   });
+}
+
+void CudaBackend::finish_rank_sum(RankSum& s, const Tensor& out) {
+  check(s.deferred && s.exchange, "cuda backend: no sum over ranks is deferred");
+  require_bf16(out, "sum over ranks");
+  const auto* push = static_cast<const PeerPush*>(s.exchange);
+  staging_.launch([&](cudaStream_t st) {
+    launch_peer_pushed_sum(*push, static_cast<bf16*>(out.data), out.rows * out.cols, st);
+  });
+  s.deferred = false;
 }
 
 void CudaBackend::rms_norm(const Tensor& x, const Tensor& weight, float eps, Tensor& out) {

@@ -10,6 +10,8 @@
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/peer_collectives.h"
+#include "kernels/cuda/peer_words.cuh"
 #include "kernels/cuda/rope_math.cuh"
 #include "kernels/cuda/row_norm.cuh"
 
@@ -115,14 +117,68 @@ __global__ void add_rms_norm_kernel(const R* res, int64_t res_stride, const bf16
 // inside the products).
 // With sum.y (kAdd): delta's row is first written as the routed MLP's weighted sum (MoeSum), each
 // thread storing the pieces that norm_row then has it read back: no combine kernel before it.
+// With push.n_ranks > 1 (kAdd, delta contiguous): delta holds this rank's share of a sum over the
+// ranks whose products pushed theirs (launch_peer_pushed_sum's arithmetic and bits, done here).
 template <bool kAdd, typename R>
 __global__ void __launch_bounds__(kRowThreads)
     rms_norm_vec_kernel(const R* res, int64_t res_stride, const bf16* delta, int64_t delta_stride, R* res_out,
                         int64_t res_out_stride, const bf16* w, float eps, int cols, bf16* out, int64_t out_stride,
-                        bf16* cap, int64_t cap_stride, MoeSum sum) {
+                        bf16* cap, int64_t cap_stride, MoeSum sum, PeerPush push) {
   pdl_release();
   pdl_begin();
   const int64_t r = blockIdx.x;
+  if (kAdd && push.n_ranks > 1) {
+    __shared__ uint64_t call_s;
+    if (threadIdx.x == 0) call_s = *reinterpret_cast<const volatile uint64_t*>(push.calls) + 1;
+    __syncthreads();
+    const uint64_t call = call_s;
+    const uint32_t flag = static_cast<uint32_t>(call);
+    const int64_t first = static_cast<int64_t>(call & 1) * kPushMaxWords + r * cols / 2;  // the row's first word
+    auto* d = reinterpret_cast<uint4*>(const_cast<bf16*>(delta + r * delta_stride));
+    const int n_vec = cols / 8;  // norm_row's pieces of 8 values (4 words); this thread's: threadIdx.x + k * kRowThreads
+    float acc[kVecPerThread][8] = {};
+    for (int q = 0; q < push.n_ranks; ++q) {
+      uint4 got[kVecPerThread][2];  // two 16-byte halves of a piece; every load in flight before any wait
+      const uint4* from = reinterpret_cast<const uint4*>(push.from[q] + first);
+#pragma unroll
+      for (int k = 0; k < kVecPerThread; ++k) {
+        const int i = threadIdx.x + k * kRowThreads;
+        if (i >= n_vec) continue;
+        if (q == push.rank) {
+          const uint4 own = d[i];
+          got[k][0] = {own.x, flag, own.y, flag};
+          got[k][1] = {own.z, flag, own.w, flag};
+        } else {
+          got[k][0] = load_volatile16(from + 2 * i);
+          got[k][1] = load_volatile16(from + 2 * i + 1);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kVecPerThread; ++k) {
+        const int i = threadIdx.x + k * kRowThreads;
+        if (i >= n_vec) continue;
+        got[k][0] = poll_piece(from + 2 * i, got[k][0], flag, push.stop);
+        got[k][1] = poll_piece(from + 2 * i + 1, got[k][1], flag, push.stop);
+        const uint32_t ws[4] = {got[k][0].x, got[k][0].z, got[k][1].x, got[k][1].z};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
+          acc[k][2 * e] += x.x;
+          acc[k][2 * e + 1] += x.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kVecPerThread; ++k) {
+      const int i = threadIdx.x + k * kRowThreads;
+      if (i < n_vec) d[i] = pack8(acc[k]);
+    }
+    __syncthreads();  // thread 0 read the call's number before any block can advance it
+    if (threadIdx.x == 0 && atomicAdd(push.done, 1u) == gridDim.x - 1) {
+      *push.done = 0;
+      *reinterpret_cast<volatile uint64_t*>(push.calls) = call;
+    }
+  }
   if (kAdd && sum.y.data) {
     auto* d = const_cast<bf16*>(delta + r * delta_stride);
     const float* wp = sum.weight_of_pair + r * sum.top_k;
@@ -433,7 +489,7 @@ void rms_norm_as(const Rows& x, const bf16* w, float eps, Mat out, cudaStream_t 
   if (rows_fit_registers(x.cols, {x.stride, out.stride}, {x.data, w, out.data})) {
     launch(rms_norm_vec_kernel<false, R>, x.rows, kRowThreads, s, xd, x.stride, static_cast<const bf16*>(nullptr),
            int64_t{0}, static_cast<R*>(nullptr), int64_t{0}, w, eps, static_cast<int>(x.cols), out.data, out.stride,
-           static_cast<bf16*>(nullptr), int64_t{0}, MoeSum{});
+           static_cast<bf16*>(nullptr), int64_t{0}, MoeSum{}, PeerPush{});
     return;
   }
   launch(rms_norm_kernel<R>, x.rows, kRowThreads, s, xd, x.stride, w, eps, x.cols, out.data, out.stride);
@@ -454,15 +510,16 @@ bool add_rms_norm_captures(const Rows& residual, const Mat& delta, const Rows& r
 
 template <typename R>
 void add_rms_norm_as(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                     const Mat& capture, const MoeSum* sum, cudaStream_t s) {
+                     const Mat& capture, const MoeSum* sum, const PeerPush* rank_sum, cudaStream_t s) {
   const R* rd = static_cast<const R*>(residual.data);
   R* rod = static_cast<R*>(residual_out.data);
   if (add_rms_norm_captures(residual, delta, residual_out, w, out, capture)) {
     launch(rms_norm_vec_kernel<true, R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride,
            rod, residual_out.stride, w, eps, static_cast<int>(residual.cols), out.data, out.stride, capture.data,
-           capture.stride, sum ? *sum : MoeSum{});
+           capture.stride, sum ? *sum : MoeSum{}, rank_sum ? *rank_sum : PeerPush{});
     return;
   }
+  if (rank_sum) throw std::logic_error("add_rms_norm: a sum over ranks needs the one-pass kernel (add_rms_norm_captures)");
   if (sum) throw std::logic_error("add_rms_norm: a routed MLP's sum needs the one-pass kernel (add_rms_norm_captures)");
   if (capture.data) throw std::logic_error("add_rms_norm: a capture needs the one-pass kernel (add_rms_norm_captures)");
   launch(add_rms_norm_kernel<R>, residual.rows, kRowThreads, s, rd, residual.stride, delta.data, delta.stride, rod,
@@ -470,10 +527,10 @@ void add_rms_norm_as(const Rows& residual, const Mat& delta, Rows residual_out, 
 }
 
 void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                         cudaStream_t s, const Mat& capture, const MoeSum* sum) {
+                         cudaStream_t s, const Mat& capture, const MoeSum* sum, const PeerPush* rank_sum) {
   if (residual.rows == 0) return;
-  if (residual.f32) add_rms_norm_as<float>(residual, delta, residual_out, w, eps, out, capture, sum, s);
-  else add_rms_norm_as<bf16>(residual, delta, residual_out, w, eps, out, capture, sum, s);
+  if (residual.f32) add_rms_norm_as<float>(residual, delta, residual_out, w, eps, out, capture, sum, rank_sum, s);
+  else add_rms_norm_as<bf16>(residual, delta, residual_out, w, eps, out, capture, sum, rank_sum, s);
 }
 
 void launch_head_norm_rope(Mat x, int n_heads, int head_dim, const bf16* norm_w, float eps, const int32_t* positions,

@@ -48,9 +48,13 @@ struct MoeSum {
 // residual_out = residual + delta (both of the residual's type, residual_out may be residual);
 // out = rmsnorm(residual_out) * w. With capture (data set): residual_out's rows also go there,
 // rounded to bf16, where add_rms_norm_captures says so. With sum (where add_rms_norm_captures
-// says so): delta is first written from it, each row by the block that normalizes it.
+// says so): delta is first written from it, each row by the block that normalizes it. With
+// rank_sum (the same; delta contiguous): delta is this rank's share of a pushed sum over the
+// ranks (peer_collectives.h), summed first by the block that normalizes the row.
+struct PeerPush;
 void launch_add_rms_norm(const Rows& residual, const Mat& delta, Rows residual_out, const bf16* w, float eps, Mat out,
-                         cudaStream_t s, const Mat& capture = Mat{nullptr, 0, 0, 0}, const MoeSum* sum = nullptr);
+                         cudaStream_t s, const Mat& capture = Mat{nullptr, 0, 0, 0}, const MoeSum* sum = nullptr,
+                         const PeerPush* rank_sum = nullptr);
 bool add_rms_norm_captures(const Rows& residual, const Mat& delta, const Rows& residual_out, const bf16* w,
                            const Mat& out, const Mat& capture);
 // In place: per-head RMSNorm (norm_w may be null), then rotate-half RoPE of the leading
@@ -122,7 +126,6 @@ void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, i
                         cudaStream_t s);
 // The same, each block also storing its outputs into the peers' push inboxes for
 // launch_peer_pushed_sum (peer_collectives.h; out contiguous, peer_push_fits).
-struct PeerPush;
 void launch_skinny_gemm_pushed(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms,
                                KernelForms::Wide wide, const PeerPush& push, cudaStream_t s);
 // The product of `count` row groups (Backend::matmul_row_groups): w is the first group, group g's

@@ -143,18 +143,19 @@ class NcclCommunicator final : public Communicator {
       NCCL_CHECK(ncclAllReduce(t.data, t.data, static_cast<size_t>(n), nccl_type(t), ncclSum, comm_, s));
     });
   }
-  // Where the product is the skinny kernel's, its blocks send their outputs as they finish and a
-  // small kernel adds them up.
-  void matmul_all_reduce(Backend& be, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out) override {
+  // Where the product is the skinny kernel's, its blocks send their outputs as they finish, and
+  // the sum is left to the kernel that reads out (defer) or to a small kernel after the product.
+  void matmul_all_reduce(Backend& be, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor& out,
+                         RankSum* defer) override {
     auto& c = ready(be, out, "all-reduce");
     if (push_ && out.dtype == DType::BF16 && out.stride == out.cols &&
         cuda::peer_push_fits(out.data, out.rows, out.cols) && c.matmul_pushing(x, w, bias, out, *push_)) {
-      c.launch_library([&](cudaStream_t s) {
-        cuda::launch_peer_pushed_sum(*push_, static_cast<cuda::bf16*>(out.data), out.rows * out.cols, s);
-      });
+      RankSum sum{true, push_};
+      if (defer) *defer = sum;
+      else c.finish_rank_sum(sum, out);
       return;
     }
-    Communicator::matmul_all_reduce(be, x, w, bias, out);
+    Communicator::matmul_all_reduce(be, x, w, bias, out, defer);
   }
   void all_gather(Backend& be, const Tensor& part, Tensor& all) override {
     auto& c = ready(be, part, "all-gather");

@@ -24,27 +24,11 @@ __device__ __forceinline__ uint4* piece(const PeerArgs& a, int q, int r, uint64_
   return a.inbox[q] + (2 * int64_t{slot} + static_cast<int64_t>(call & 1)) * (kPeerMaxWords / 2) + w / 2;
 }
 
-// One 16-byte store: {word, flag, word, flag}. Each 8-byte half arrives whole.
-__device__ __forceinline__ void store_piece(uint4* p, uint32_t d0, uint32_t d1, uint32_t flag) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag)
-               : "memory");
-}
-
-// Waits until both halves of the piece carry `flag`. The stop flag lives in host memory (a read
-// crosses PCIe): looked at once every 4096 polls; the words are then meaningless.
+// Waits until both words of the piece carry `flag`.
 __device__ __forceinline__ void load_piece(const uint4* p, uint32_t flag, const volatile int* stop, uint32_t& d0,
                                            uint32_t& d1) {
-  for (uint32_t polls = 1;; ++polls) {
-    uint32_t x, f0, y, f1;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(x), "=r"(f0), "=r"(y), "=r"(f1)
-                 : "l"(p)
-                 : "memory");
-    if ((f0 == flag && f1 == flag) || (polls % 4096 == 0 && *stop)) {
-      d0 = x, d1 = y;
-      return;
-    }
-  }
+  const uint4 v = poll_piece(p, load_volatile16(p), flag, stop);
+  d0 = v.x, d1 = v.z;
 }
 
 // Block b moves words [b * kPeerBlockWords, (b + 1) * kPeerBlockWords) of every rank's data in

@@ -1,6 +1,7 @@
 // The peer collectives' flagged words (peer_collectives.h): 4 data bytes and a 4-byte flag, the
 // call's number, stored together in 8 bytes over NVLink, so that a receiver that sees the flag
-// has the data (an aligned 8-byte store arrives whole).
+// has the data (an aligned 8-byte store arrives whole). A 16-byte piece holds two words,
+// {data, flag, data, flag}; its halves may arrive apart.
 #pragma once
 
 #include <cstdint>
@@ -13,8 +14,33 @@ __device__ __forceinline__ void store_flagged(uint2* p, uint32_t word, uint32_t 
   asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(word), "r"(flag) : "memory");
 }
 
-// Waits until the word at p carries `flag`. The stop flag lives in host memory (a read crosses
-// PCIe): looked at once every 4096 polls; the word is then meaningless.
+// One 16-byte store of two flagged words.
+__device__ __forceinline__ void store_piece(uint4* p, uint32_t d0, uint32_t d1, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 load_volatile16(const void* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// The piece at p once both of its words carry `flag`, starting from v (an earlier load of it, so
+// that a caller may have many loads in flight before it waits). The stop flag lives in host
+// memory (a read crosses PCIe): looked at once every 4096 polls; the words are then meaningless.
+__device__ __forceinline__ uint4 poll_piece(const uint4* p, uint4 v, uint32_t flag, const volatile int* stop) {
+  for (uint32_t polls = 1; !(v.y == flag && v.w == flag); ++polls) {
+    if (polls % 4096 == 0 && *stop) break;
+    v = load_volatile16(p);
+  }
+  return v;
+}
+
+// Waits until the word at p carries `flag` (stop as poll_piece).
 __device__ __forceinline__ uint32_t load_flagged(const uint2* p, uint32_t flag, const volatile int* stop) {
   for (uint32_t polls = 1;; ++polls) {
     uint32_t x, f;

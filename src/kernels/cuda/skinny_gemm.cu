@@ -63,27 +63,33 @@ constexpr int stages(int budget, int most = 8) {
   const int n = budget / static_cast<int>(sizeof(Stage<XT, RT>));
   return n < 2 ? 2 : n > most ? most : n;
 }
-// kWide (one block per SM, see wide_row_tiles): 24 KiB a warp, 192 KiB a block. kRouted: 9 KiB
-// a warp, so that three blocks of the one-tile forms share an SM (gate_up at batch 1 of the
-// 30B-A3B shape: 384 blocks, one wave; with two blocks an SM, 1.45 waves). Wider stages (the
-// down products' four row tiles with 16 or 32 rows) still get the two-stage minimum: two blocks.
-template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
+// kWide (one block per SM, see wide_row_tiles): 24 KiB a warp, 192 KiB a block. kThree (the
+// routed forms, and the SwiGLU form of up to 16 tokens): 9 KiB a warp, so that three blocks of the
+// one-tile forms share an SM (gate_up at batch 1 of the 30B-A3B shape: 384 blocks, one wave; with
+// two blocks an SM, 1.45 waves). Wider stages (the down products' four row tiles with 16 or 32
+// rows) still get the two-stage minimum: two blocks.
+template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false, bool kThree = kRouted>
 constexpr int kStages = kNorm ? stages<0, RT>(10240)
-                               : stages<MT, RT>(kWide ? 24576 : kRouted ? 9216 : 12288, kWide && RT == 1 ? 12 : 8);
+                               : stages<MT, RT>(kWide ? 24576 : kThree ? 9216 : 12288, kWide && RT == 1 ? 12 : 8);
+// Whether a form takes kThree's ring: the routed forms, and the plain SwiGLU form of up to 16
+// tokens, whose registers (64-75) let three blocks share an SM.
+constexpr bool three_blocks(int mt, bool swiglu, bool norm, bool routed) {
+  return routed || (swiglu && !norm && mt <= 2);
+}
 template <int MT, int RT, bool kNorm>
 using StageOf = Stage<kNorm ? 0 : MT, RT>;
 
 // Bytes of the ring.
-template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
+template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false, bool kThree = kRouted>
 constexpr size_t ring_bytes() {
-  return sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm, kWide, kRouted> * kWarps;
+  return sizeof(StageOf<MT, RT, kNorm>) * kStages<MT, RT, kNorm, kWide, kRouted, kThree> * kWarps;
 }
 // Bytes of the ring and the cross-warp reduction; the normalized rows follow them. The reduction
 // reuses the ring but in the routed form, where the next work unit's first weights are on their
 // way while a unit's partial sums are added.
-template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false>
+template <int MT, int RT, bool kNorm, bool kWide = false, bool kRouted = false, bool kThree = kRouted>
 constexpr size_t smem_bytes() {
-  constexpr size_t ring = ring_bytes<MT, RT, kNorm, kWide, kRouted>();
+  constexpr size_t ring = ring_bytes<MT, RT, kNorm, kWide, kRouted, kThree>();
   constexpr size_t red = sizeof(float) * kWarps * RT * MT * 4 * 32;
   return kRouted ? ring + red : ring > red ? ring : red;
 }
@@ -140,7 +146,8 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
                                                                   PeerPush push) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_rows needs the whole block");
-  constexpr int S = kStages<MT, RT, kNorm, kWide, kRouted>;
+  constexpr bool kThree = three_blocks(MT, kSwiglu, kNorm, kRouted);
+  constexpr int S = kStages<MT, RT, kNorm, kWide, kRouted, kThree>;
   using St = StageOf<MT, RT, kNorm>;
   DFLASH_DYNAMIC_SMEM(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -151,7 +158,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   out += blockIdx.y * out_group_cols;
   St* ring = reinterpret_cast<St*>(smem_raw) + warp * S;
   // kNorm: the normalized rows, [M][norm_row_elems(K)]
-  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide, kRouted>());
+  bf16* rows = reinterpret_cast<bf16*>(smem_raw + smem_bytes<MT, RT, kNorm, kWide, kRouted, kThree>());
   const int n_chunks = (K + kChunk - 1) / kChunk;
   const int n_mine = warp < n_chunks ? (n_chunks - warp + kWarps - 1) / kWarps : 0;  // chunks warp + 8i
 
@@ -295,7 +302,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     // in the routed form).
     __syncthreads();
     auto& red = *reinterpret_cast<float(*)[kWarps][RT][MT][4][32]>(
-        smem_raw + (kRouted ? ring_bytes<MT, RT, kNorm, kWide, kRouted>() : 0));
+        smem_raw + (kRouted ? ring_bytes<MT, RT, kNorm, kWide, kRouted, kThree>() : 0));
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -452,9 +459,9 @@ bool wide_ring_fits() {
 }
 
 // Dynamic shared memory of a launch: the ring, and for kNorm the normalized rows.
-template <int MT, int RT, bool kNorm>
+template <int MT, int RT, bool kNorm, bool kThree = false>
 size_t launch_smem_bytes(int M, int64_t K) {
-  return smem_bytes<MT, RT, kNorm>() + (kNorm ? sizeof(bf16) * M * norm_row_elems(K) : 0);
+  return smem_bytes<MT, RT, kNorm, false, false, kThree>() + (kNorm ? sizeof(bf16) * M * norm_row_elems(K) : 0);
 }
 
 // Row groups of a launch (grid.y): group g's weight rows start g * w_step elements after the first
@@ -482,7 +489,8 @@ void launch_tiles(const Mat& x, const Mat& w, const bf16* bias, Mat out, const R
   static_assert(!(kWide && kNorm), "the normalizing form has no wide blocks");
   const size_t smem = kWide     ? smem_bytes<MT, RT, false, true>()
                       : kRouted ? smem_bytes<MT, RT, false, false, true>()
-                                : launch_smem_bytes<MT, RT, kNorm>(static_cast<int>(x.rows), w.cols);
+                                : launch_smem_bytes<MT, RT, kNorm, three_blocks(MT, kSwiglu, kNorm, false)>(
+                                      static_cast<int>(x.rows), w.cols);
   if constexpr (kRouted) {
     // As many blocks as the GPU holds at once (at most one a unit of the items' bound), not one
     // a possible unit (136 items at 16 rows of the 30B-A3B shape, mostly empty: their launch

@@ -240,8 +240,10 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
 // kernel adds them up. Every rank must get the float32 sum of the ranks' own products rounded once
 // (what all_reduce_sum gives), whatever collectives come between; larger products take the
 // product and all_reduce_sum. The sum left to the norm that reads it (RankSum: the RMSNorm kernel
-// sums, or a summing kernel runs first) must give that norm's bits.
-TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
+// sums, or a summing kernel runs first) must give that norm's bits. Products split along N
+// (Communicator::matmul_all_gather: a vocabulary split's logits) must give every rank all the
+// parts side by side.
+TEST_F(CudaTensorParallel, PushedProductsAreSummedAndGatheredExactly) {
   struct Case {
     int64_t rows, k, n;
     bool bias, pushed;
@@ -249,13 +251,22 @@ TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
   const std::vector<Case> shapes = {{1, 2048, 4096, false, true},  {16, 2048, 4096, false, true},
                                     {32, 1536, 4096, true, true},  {3, 512, 1000, true, true},
                                     {7, 256, 2048, false, true},   {40, 512, 4096, false, false},
-                                    {32, 256, 16384, false, false}, {1, 6144, 4096, true, true}};
+                                    {32, 256, 70000, false, false}, {1, 6144, 4096, true, true}};
   std::vector<Case> cases;
   for (int round = 0; round < 3; ++round) cases.insert(cases.end(), shapes.begin(), shapes.end());
   auto be0 = make_cuda_backend();
   std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
   std::vector<std::vector<float>> own[2], summed[2], normed[2], normed_deferred[2];
   long long pushed[2] = {0, 0}, deferred[2] = {0, 0};
+  // Products split along N whose parts every rank gathers (a vocabulary split's logits): rows, K, N
+  // of a rank, and whether the parts fit the pushed exchange.
+  struct Gather {
+    int64_t rows, k, n;
+    bool pushed;
+  };
+  const std::vector<Gather> gathers = {{16, 512, 75968, true}, {1, 2048, 1000, true}, {32, 256, 70000, false},
+                                       {3, 1024, 4096, true},  {16, 512, 75968, true}, {40, 256, 4096, false}};
+  std::vector<std::vector<float>> own_part[2], gathered[2];
   auto rank = [&](int r, Backend& be) {
     Communicator& comm = devices->comm(r);
     const long long before = cuda::pushed_products(be);
@@ -305,6 +316,24 @@ TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
       d0.insert(d0.end(), d1.begin(), d1.end());
       normed_deferred[r].push_back(d0);
     }
+    for (size_t g = 0; g < gathers.size(); ++g) {
+      const Gather& k = gathers[g];
+      std::mt19937 rng(static_cast<uint32_t>(7000 * g + r));
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      std::vector<float> xv(static_cast<size_t>(k.rows * k.k)), wv(static_cast<size_t>(k.n * k.k));
+      for (float& e : xv) e = u(rng);
+      for (float& e : wv) e = u(rng);
+      const Tensor x = be.upload_host(xv.data(), k.rows, k.k), w = be.upload_host(wv.data(), k.n, k.k);
+      Tensor y = be.alloc(k.rows, k.n), all = be.alloc(k.rows, 2 * k.n);
+      be.matmul(x, w, nullptr, y);
+      own_part[r].push_back(be.to_host(y));
+      comm.matmul_all_gather(be, x, w, all);
+      gathered[r].push_back(be.to_host(all));
+      if (g % 2 == 0) {  // a sum between the exchanges
+        Tensor out = be.alloc(k.rows, 4096);
+        comm.matmul_all_reduce(be, x.slice_cols(0, 256), be.alloc(4096, 256), nullptr, out);
+      }
+    }
     pushed[r] = cuda::pushed_products(be) - before;
   };
   std::exception_ptr error;
@@ -319,9 +348,10 @@ TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
   rank(0, *be0);
   one.join();
   if (error) std::rethrow_exception(error);
-  long long want_pushed = 0;
+  long long want_pushed = 0, want_sums = 0;
   for (size_t c = 0; c < cases.size(); ++c) {
     const Case& k = cases[c];
+    want_sums += k.pushed;
     want_pushed += k.pushed;
     const std::string what = ::testing::PrintToString(c) + " (" + std::to_string(k.rows) + " x " +
                              std::to_string(k.k) + " -> " + std::to_string(k.n) + ")";
@@ -334,11 +364,21 @@ TEST_F(CudaTensorParallel, PushedProductSumsAreTheRanksProductsSummed) {
     for (int r = 0; r < 2; ++r)
       EXPECT_EQ(normed_deferred[r][c], normed[r][c]) << "case " << what << ", rank " << r << ": the deferred sum's norm";
   }
-  // Each pushed case ran two pushed products (summed at once, then deferred).
-  EXPECT_EQ(pushed[0], 2 * want_pushed) << "products that sent their outputs on rank 0";
-  EXPECT_EQ(pushed[1], 2 * want_pushed) << "products that sent their outputs on rank 1";
-  EXPECT_EQ(deferred[0], want_pushed) << "sums left to the norm on rank 0";
-  EXPECT_EQ(deferred[1], want_pushed) << "sums left to the norm on rank 1";
+  for (size_t g = 0; g < gathers.size(); ++g) {
+    const Gather& k = gathers[g];
+    want_pushed += k.pushed + (g % 2 == 0);  // the sums between the gathers are pushed (16 x 256 -> 4096)
+    std::vector<float> want;
+    for (int64_t i = 0; i < k.rows; ++i)
+      for (int r = 0; r < 2; ++r)
+        want.insert(want.end(), own_part[r][g].begin() + i * k.n, own_part[r][g].begin() + (i + 1) * k.n);
+    for (int r = 0; r < 2; ++r)
+      EXPECT_EQ(gathered[r][g], want) << "gather " << g << " (" << k.rows << " x " << k.n << "), rank " << r;
+  }
+  // Each pushed sum case ran two pushed products (summed at once, then deferred).
+  EXPECT_EQ(pushed[0], want_pushed + want_sums) << "products that sent their outputs on rank 0";
+  EXPECT_EQ(pushed[1], want_pushed + want_sums) << "products that sent their outputs on rank 1";
+  EXPECT_EQ(deferred[0], want_sums) << "sums left to the norm on rank 0";
+  EXPECT_EQ(deferred[1], want_sums) << "sums left to the norm on rank 1";
 }
 
 TEST_F(CudaTensorParallel, MoreRanksThanGpusAreRefused) {

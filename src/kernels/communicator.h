@@ -30,6 +30,13 @@ class Communicator {
   // all [part.rows, size * part.cols]: row i holds row i of every rank's part side by side, rank
   // r's at columns r * part.cols (a vocabulary split's logits into whole rows).
   virtual void all_gather(Backend& be, const Tensor& part, Tensor& all) = 0;
+  // all_gather of every rank's x * w^T (a product split along N). A communicator may send the
+  // parts while the products run.
+  virtual void matmul_all_gather(Backend& be, const Tensor& x, const Tensor& w, Tensor& all) {
+    Tensor part = be.alloc(x.rows, w.rows);
+    be.matmul(x, w, nullptr, part);
+    all_gather(be, part, all);
+  }
 };
 
 // The devices of a tensor-parallel group: rank r's backend and communicator. Rank 0's backend is

@@ -168,17 +168,19 @@ std::vector<int> TargetModel::routed_experts() {
   return distinct;
 }
 
-Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t>& rows, const Tensor& lm_head) {
-  // Consecutive rows (a decode batch, a verification block) are a view: no gather.
+// The rows of normed that logits are asked for; consecutive rows (a decode batch, a verification
+// block) are a view: no gather.
+static Tensor picked_rows(Backend& be, const Tensor& normed, const std::vector<int32_t>& rows) {
   bool consecutive = !rows.empty() && rows[0] >= 0 && rows.back() < normed.rows;
   for (size_t i = 1; consecutive && i < rows.size(); ++i) consecutive = rows[i] == rows[i - 1] + 1;
-  Tensor picked;
-  if (consecutive) {
-    picked = normed.slice_rows(rows[0], static_cast<int64_t>(rows.size()));
-  } else {
-    picked = be.alloc(static_cast<int64_t>(rows.size()), normed.cols);
-    be.gather_rows(normed, rows, picked);
-  }
+  if (consecutive) return normed.slice_rows(rows[0], static_cast<int64_t>(rows.size()));
+  Tensor picked = be.alloc(static_cast<int64_t>(rows.size()), normed.cols);
+  be.gather_rows(normed, rows, picked);
+  return picked;
+}
+
+Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t>& rows, const Tensor& lm_head) {
+  const Tensor picked = picked_rows(be, normed, rows);
   Tensor logits = be.alloc(picked.rows, lm_head.rows);
   if (picked.rows > 0) be.matmul(picked, lm_head, nullptr, logits);
   return logits;
@@ -218,10 +220,10 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
 bool TargetModel::vocab_split() const { return w_.lm_head_part.rows < cfg_.n_vocab; }
 
 Tensor TargetModel::logits_of(const Tensor& normed, const std::vector<int32_t>& which) {
-  const Tensor part = lm_head_rows(be_, normed, which, w_.lm_head_part);
-  if (!vocab_split() || part.rows == 0) return part;
-  Tensor logits = be_.alloc(part.rows, cfg_.n_vocab);  // every rank's part of the vocabulary, side by side
-  comm_->all_gather(be_, part, logits);
+  if (!vocab_split() || which.empty()) return lm_head_rows(be_, normed, which, w_.lm_head_part);
+  const Tensor picked = picked_rows(be_, normed, which);
+  Tensor logits = be_.alloc(picked.rows, cfg_.n_vocab);  // every rank's part of the vocabulary, side by side
+  comm_->matmul_all_gather(be_, picked, w_.lm_head_part, logits);
   return logits;
 }
 

@@ -125,7 +125,7 @@ bool skinny_gemm_supported(const Mat& x, const Mat& w, const Mat& out);
 void launch_skinny_gemm(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms, KernelForms::Wide wide,
                         cudaStream_t s);
 // The same, each block also storing its outputs into the peers' push inboxes for
-// launch_peer_pushed_sum (peer_collectives.h; out contiguous, peer_push_fits).
+// launch_peer_pushed_sum or launch_peer_pushed_gather (peer_collectives.h, peer_push_fits).
 void launch_skinny_gemm_pushed(const Mat& x, const Mat& w, const bf16* bias, Mat out, int n_sms,
                                KernelForms::Wide wide, const PeerPush& push, cudaStream_t s);
 // The product of `count` row groups (Backend::matmul_row_groups): w is the first group, group g's

@@ -149,13 +149,29 @@ class NcclCommunicator final : public Communicator {
                          RankSum* defer) override {
     auto& c = ready(be, out, "all-reduce");
     if (push_ && out.dtype == DType::BF16 && out.stride == out.cols &&
-        cuda::peer_push_fits(out.data, out.rows, out.cols) && c.matmul_pushing(x, w, bias, out, *push_)) {
+        cuda::peer_push_fits(out.data, out.rows, out.cols, out.stride) && c.matmul_pushing(x, w, bias, out, *push_)) {
       RankSum sum{true, push_};
       if (defer) *defer = sum;
       else c.finish_rank_sum(sum, out);
       return;
     }
     Communicator::matmul_all_reduce(be, x, w, bias, out, defer);
+  }
+  // Where the product is the skinny kernel's, it writes its part into its columns of all and its
+  // blocks send their outputs to the peers as they finish; a small kernel puts the peers' parts in.
+  void matmul_all_gather(Backend& be, const Tensor& x, const Tensor& w, Tensor& all) override {
+    auto& c = ready(be, all, "all-gather");
+    if (push_ && all.dtype == DType::BF16 && all.rows == x.rows && all.cols == push_->n_ranks * w.rows) {
+      Tensor own = all.slice_cols(push_->rank * w.rows, w.rows);
+      if (cuda::peer_push_fits(own.data, own.rows, own.cols, own.stride) &&
+          c.matmul_pushing(x, w, nullptr, own, *push_)) {
+        c.launch_library([&](cudaStream_t s) {
+          cuda::launch_peer_pushed_gather(*push_, static_cast<cuda::bf16*>(all.data), all.rows, w.rows, all.stride, s);
+        });
+        return;
+      }
+    }
+    Communicator::matmul_all_gather(be, x, w, all);
   }
   void all_gather(Backend& be, const Tensor& part, Tensor& all) override {
     auto& c = ready(be, part, "all-gather");

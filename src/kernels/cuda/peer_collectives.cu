@@ -158,16 +158,29 @@ int64_t peer_collective_max_bytes() {
 
 constexpr int kPushThreads = 256;
 
-// Word w of t (two bf16) = the sum over the ranks of their word w in rank order, in float32 (this
-// rank's from t, the peers' from its push inbox, where their products stored them): a thread a
-// word, so that a block's loads are all in flight at once. The call's number is read by every
-// block and advanced by the last one to finish, so the next product reads the new number.
-__global__ void __launch_bounds__(kPushThreads) pushed_sum_kernel(PeerPush p, uint32_t* t, int64_t words) {
-  pdl_begin();  // the product (and every earlier sum) is complete
+// The pushed exchange's call number, read by every block of the kernel that receives it.
+__device__ __forceinline__ uint64_t pushed_call(const PeerPush& p) {
   __shared__ uint64_t call_s;
   if (threadIdx.x == 0) call_s = *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
   __syncthreads();
-  const uint64_t call = call_s;
+  return call_s;
+}
+
+// Advanced by the last block to finish, so that the next product reads the new number.
+__device__ __forceinline__ void pushed_call_done(const PeerPush& p, uint64_t call) {
+  __syncthreads();  // thread 0 read the call's number before any block can advance it
+  if (threadIdx.x == 0 && atomicAdd(p.done, 1u) == gridDim.x - 1) {
+    *p.done = 0;
+    *reinterpret_cast<volatile uint64_t*>(p.calls) = call;
+  }
+}
+
+// Word w of t (two bf16) = the sum over the ranks of their word w in rank order, in float32 (this
+// rank's from t, the peers' from its push inbox, where their products stored them): a thread a
+// word, so that a block's loads are all in flight at once.
+__global__ void __launch_bounds__(kPushThreads) pushed_sum_kernel(PeerPush p, uint32_t* t, int64_t words) {
+  pdl_begin();  // the product (and every earlier sum) is complete
+  const uint64_t call = pushed_call(p);
   const uint32_t flag = static_cast<uint32_t>(call);
   const int64_t half = static_cast<int64_t>(call & 1) * kPushMaxWords;
   const int64_t w = int64_t{blockIdx.x} * kPushThreads + threadIdx.x;
@@ -182,17 +195,31 @@ __global__ void __launch_bounds__(kPushThreads) pushed_sum_kernel(PeerPush p, ui
     const __nv_bfloat162 y = __floats2bfloat162_rn(s0, s1);
     t[w] = *reinterpret_cast<const uint32_t*>(&y);
   }
-  __syncthreads();  // thread 0 read the call's number before any block can advance it
-  if (threadIdx.x == 0 && atomicAdd(p.done, 1u) == gridDim.x - 1) {
-    *p.done = 0;
-    *reinterpret_cast<volatile uint64_t*>(p.calls) = call;
+  pushed_call_done(p, call);
+}
+
+// The peers' words (the j-th peer: rank j, or j + 1 from this rank on) into their columns of all:
+// a thread a word.
+__global__ void __launch_bounds__(kPushThreads) pushed_gather_kernel(PeerPush p, uint32_t* all, int64_t rows,
+                                                                     int64_t row_words, int64_t all_row_words) {
+  pdl_begin();  // the product (and every earlier exchange) is complete
+  const uint64_t call = pushed_call(p);
+  const int64_t words = rows * row_words;
+  const int64_t i = int64_t{blockIdx.x} * kPushThreads + threadIdx.x;
+  if (i < (p.n_ranks - 1) * words) {
+    const int j = static_cast<int>(i / words), q = j < p.rank ? j : j + 1;
+    const int64_t w = i % words, row = w / row_words;
+    const uint32_t flag = static_cast<uint32_t>(call);
+    const int64_t half = static_cast<int64_t>(call & 1) * kPushMaxWords;
+    all[row * all_row_words + q * row_words + (w - row * row_words)] = load_flagged(p.from[q] + half + w, flag, p.stop);
   }
+  pushed_call_done(p, call);
 }
 
 }  // namespace
 
-bool peer_push_fits(const void* out, int64_t rows, int64_t cols) {
-  return cols % 2 == 0 && rows * cols / 2 <= kPushMaxWords && reinterpret_cast<uintptr_t>(out) % 4 == 0;
+bool peer_push_fits(const void* out, int64_t rows, int64_t cols, int64_t stride) {
+  return cols % 2 == 0 && stride % 2 == 0 && rows * cols / 2 <= kPushMaxWords && reinterpret_cast<uintptr_t>(out) % 4 == 0;
 }
 
 void launch_peer_pushed_sum(const PeerPush& p, bf16* t, int64_t n, cudaStream_t s) {
@@ -200,6 +227,14 @@ void launch_peer_pushed_sum(const PeerPush& p, bf16* t, int64_t n, cudaStream_t 
   if (words == 0) return;
   launch(pushed_sum_kernel, dim3(static_cast<unsigned>((words + kPushThreads - 1) / kPushThreads)), dim3(kPushThreads),
          s, p, reinterpret_cast<uint32_t*>(t), words);
+}
+
+void launch_peer_pushed_gather(const PeerPush& p, bf16* all, int64_t rows, int64_t cols, int64_t all_stride,
+                               cudaStream_t s) {
+  const int64_t words = (p.n_ranks - 1) * rows * (cols / 2);
+  if (words == 0) return;
+  launch(pushed_gather_kernel, dim3(static_cast<unsigned>((words + kPushThreads - 1) / kPushThreads)),
+         dim3(kPushThreads), s, p, reinterpret_cast<uint32_t*>(all), rows, cols / 2, all_stride / 2);
 }
 
 bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes) {

@@ -35,14 +35,16 @@ struct PeerArgs {
   int rank = 0, n_ranks = 0;
 };
 
-// A pushed all-reduce: the row-split product on each rank stores its output's words into the
-// peers' push inboxes as its blocks finish (launch_skinny_gemm with a PeerPush), so that the words
-// travel while the product still runs, and launch_peer_pushed_sum then adds its own output and the
-// peers' words in rank order (the all-reduce's float32 sum, the same bits). Its own inbox and call
-// count: only exchanges (every rank sends) use them, so a rank that has its peers' words of call
-// c - 1 knows they are done reading call c - 2's half of its slot there (it is the half that call c
-// writes), and no acknowledgements are needed.
-constexpr int64_t kPushMaxWords = kPeerAllReduceMaxBytes / 4;  // 4-byte data words (2 bf16)
+// Pushed exchanges: the product on each rank stores its output's words into the peers' push
+// inboxes as its blocks finish (launch_skinny_gemm_pushed), so that the words travel while the
+// product still runs; then launch_peer_pushed_sum adds its own output and the peers' words in rank
+// order (the all-reduce's float32 sum, the same bits), or launch_peer_pushed_gather puts the peers'
+// words beside its own output (the all-gather of a vocabulary split's logits). Word w of a product
+// of [rows, cols] is features 2 (w % (cols / 2)) and 2 (w % (cols / 2)) + 1 of token row
+// w / (cols / 2). Their own inbox and call count: only exchanges (every rank sends) use them, so a
+// rank that has its peers' words of call c - 1 knows they are done reading call c - 2's half of its
+// slot there (it is the half that call c writes), and no acknowledgements are needed.
+constexpr int64_t kPushMaxWords = kPeerMaxWords;  // 4-byte data words (2 bf16) a rank sends in one call
 constexpr int64_t kPushInboxBytesPerPeer = 2 * kPushMaxWords * 8;
 struct PeerPush {
   uint2* to[kPeerMaxRanks] = {};          // rank q's push inbox, this rank's slot there (null: this rank)
@@ -52,10 +54,14 @@ struct PeerPush {
   const volatile int* stop = nullptr;     // as PeerArgs::stop
   int rank = 0, n_ranks = 0;              // n_ranks == 0: no push (a product's output stays local)
 };
-// Whether a product's [rows, cols] bf16 output (contiguous) can be summed this way.
-bool peer_push_fits(const void* out, int64_t rows, int64_t cols);
+// Whether a product's [rows, cols] bf16 output can be exchanged this way (4-byte aligned words).
+bool peer_push_fits(const void* out, int64_t rows, int64_t cols, int64_t stride);
 // t [n bf16, contiguous] = the sum over the ranks of their t, which their products pushed.
 void launch_peer_pushed_sum(const PeerPush& p, bf16* t, int64_t n, cudaStream_t s);
+// all [rows, n_ranks * cols] (row stride all_stride): rank q's product [rows, cols], which it
+// pushed, into columns q * cols, ... of every row; this rank's product is there already.
+void launch_peer_pushed_gather(const PeerPush& p, bf16* all, int64_t rows, int64_t cols, int64_t all_stride,
+                               cudaStream_t s);
 
 // Every rank calls the same collectives in the same order with the same sizes. What fits: bytes a
 // multiple of 4, at most max_bytes (kPeerMaxBytes, all-reduce: kPeerAllReduceMaxBytes) and what the

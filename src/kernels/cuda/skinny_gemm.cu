@@ -135,7 +135,7 @@ __device__ __forceinline__ void normalize_rows(const RowNorm& norm, int M, int K
 // routed.items (RoutedRows: an expert's weights and up to 8 * MT of its pairs, read from and
 // written to the pairs' rows), columns block u % gridDim.x.
 // push (plain forms, push.n_ranks > 1): each output word (two features of a token) also goes to
-// the peers' push inboxes, flagged with the pushed sum's call number (peer_collectives.h).
+// the peers' push inboxes, flagged with the pushed exchange's call number (peer_collectives.h).
 template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kWide = false, bool kRouted = false>
 __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
                                                                   const bf16* __restrict__ w, int64_t w_stride, int N,
@@ -332,10 +332,10 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
           }
           const __nv_bfloat162 y = __floats2bfloat162_rn(s0, s1);
           const uint32_t word = *reinterpret_cast<const uint32_t*>(&y);
-          const int64_t at = token * out_stride + feature;  // out is contiguous: word at / 2 of the sum
-          *reinterpret_cast<uint32_t*>(out + at) = word;
+          *reinterpret_cast<uint32_t*>(out + token * out_stride + feature) = word;
+          const int64_t at = half + (token * N + feature) / 2;  // the exchange's word (peer_collectives.h)
           for (int q = 0; q < push.n_ranks; ++q)
-            if (q != push.rank) store_flagged(push.to[q] + half + at / 2, word, flag);
+            if (q != push.rank) store_flagged(push.to[q] + at, word, flag);
         }
         return;
       }

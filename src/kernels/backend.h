@@ -93,9 +93,6 @@ struct DeviceTokens {
   std::vector<int32_t> rows;
 };
 
-// The normalized input of a layer's product: with delta, residual_out = residual + delta and
-// h = rmsnorm(residual_out) * weight (residual_out must not be residual: a fused product reads
-// one while it writes the other); without, h = rmsnorm(residual) * weight.
 // A sum over tensor-parallel ranks that the communicator left to the kernel reading its output
 // (Communicator::matmul_all_reduce, ResidualNorm::rank_sum): until then the output holds this
 // rank's share only. `exchange` is the backend's own description of where the shares are.
@@ -104,6 +101,9 @@ struct RankSum {
   const void* exchange = nullptr;
 };
 
+// The normalized input of a layer's product: with delta, residual_out = residual + delta and
+// h = rmsnorm(residual_out) * weight (residual_out must not be residual: a fused product reads
+// one while it writes the other); without, h = rmsnorm(residual) * weight.
 struct ResidualNorm {
   const Tensor* residual = nullptr;
   const Tensor* delta = nullptr;

@@ -128,10 +128,7 @@ __global__ void __launch_bounds__(kRowThreads)
   pdl_begin();
   const int64_t r = blockIdx.x;
   if (kAdd && push.n_ranks > 1) {
-    __shared__ uint64_t call_s;
-    if (threadIdx.x == 0) call_s = *reinterpret_cast<const volatile uint64_t*>(push.calls) + 1;
-    __syncthreads();
-    const uint64_t call = call_s;
+    const uint64_t call = pushed_call(push);
     const uint32_t flag = static_cast<uint32_t>(call);
     const int64_t first = static_cast<int64_t>(call & 1) * kPushMaxWords + r * cols / 2;  // the row's first word
     auto* d = reinterpret_cast<uint4*>(const_cast<bf16*>(delta + r * delta_stride));
@@ -173,11 +170,7 @@ __global__ void __launch_bounds__(kRowThreads)
       const int i = threadIdx.x + k * kRowThreads;
       if (i < n_vec) d[i] = pack8(acc[k]);
     }
-    __syncthreads();  // thread 0 read the call's number before any block can advance it
-    if (threadIdx.x == 0 && atomicAdd(push.done, 1u) == gridDim.x - 1) {
-      *push.done = 0;
-      *reinterpret_cast<volatile uint64_t*>(push.calls) = call;
-    }
+    pushed_call_done(push, call);
   }
   if (kAdd && sum.y.data) {
     auto* d = const_cast<bf16*>(delta + r * delta_stride);

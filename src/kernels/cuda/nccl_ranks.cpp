@@ -90,7 +90,9 @@ class PeerMemory {
       args_[static_cast<size_t>(d)].stop = stop_;
     }
     // Rank r's slot in rank q's push inbox: r, less one past q (as the collectives' inbox).
-    auto slot = [&](int r, int q) { return push_inbox[static_cast<size_t>(q)] + (r < q ? r : r - 1) * 2 * cuda::kPushMaxWords; };
+    auto slot = [&](int r, int q) {
+      return push_inbox[static_cast<size_t>(q)] + (r < q ? r : r - 1) * 2 * cuda::kPushMaxWords;
+    };
     for (int r = 0; r < size; ++r)
       for (int q = 0; q < size; ++q) {
         if (q == r) continue;

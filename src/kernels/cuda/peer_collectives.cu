@@ -158,23 +158,6 @@ int64_t peer_collective_max_bytes() {
 
 constexpr int kPushThreads = 256;
 
-// The pushed exchange's call number, read by every block of the kernel that receives it.
-__device__ __forceinline__ uint64_t pushed_call(const PeerPush& p) {
-  __shared__ uint64_t call_s;
-  if (threadIdx.x == 0) call_s = *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
-  __syncthreads();
-  return call_s;
-}
-
-// Advanced by the last block to finish, so that the next product reads the new number.
-__device__ __forceinline__ void pushed_call_done(const PeerPush& p, uint64_t call) {
-  __syncthreads();  // thread 0 read the call's number before any block can advance it
-  if (threadIdx.x == 0 && atomicAdd(p.done, 1u) == gridDim.x - 1) {
-    *p.done = 0;
-    *reinterpret_cast<volatile uint64_t*>(p.calls) = call;
-  }
-}
-
 // Word w of t (two bf16) = the sum over the ranks of their word w in rank order, in float32 (this
 // rank's from t, the peers' from its push inbox, where their products stored them): a thread a
 // word, so that a block's loads are all in flight at once.

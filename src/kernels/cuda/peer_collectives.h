@@ -49,8 +49,8 @@ constexpr int64_t kPushInboxBytesPerPeer = 2 * kPushMaxWords * 8;
 struct PeerPush {
   uint2* to[kPeerMaxRanks] = {};          // rank q's push inbox, this rank's slot there (null: this rank)
   const uint2* from[kPeerMaxRanks] = {};  // this rank's push inbox, rank q's slot
-  uint64_t* calls = nullptr;              // this rank's count of pushed sums
-  unsigned* done = nullptr;               // blocks of the sum under way that have finished
+  uint64_t* calls = nullptr;              // this rank's count of pushed exchanges
+  unsigned* done = nullptr;               // blocks of the exchange's receiving kernel that have finished
   const volatile int* stop = nullptr;     // as PeerArgs::stop
   int rank = 0, n_ranks = 0;              // n_ranks == 0: no push (a product's output stays local)
 };

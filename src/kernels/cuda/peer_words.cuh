@@ -8,6 +8,8 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/peer_collectives.h"
+
 namespace dflash::cuda {
 
 __device__ __forceinline__ void store_flagged(uint2* p, uint32_t word, uint32_t flag) {
@@ -46,6 +48,25 @@ __device__ __forceinline__ uint32_t load_flagged(const uint2* p, uint32_t flag, 
     uint32_t x, f;
     asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(f) : "l"(p) : "memory");
     if (f == flag || (polls % 4096 == 0 && *stop)) return x;
+  }
+}
+
+// A pushed exchange's call number, read by every block of a kernel that receives it (thread 0
+// reads it; the whole block must call this).
+__device__ __forceinline__ uint64_t pushed_call(const PeerPush& p) {
+  __shared__ uint64_t call_s;
+  if (threadIdx.x == 0) call_s = *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
+  __syncthreads();
+  return call_s;
+}
+
+// The call received: the last block of the kernel to get here advances the count, so that the
+// next product (which waits for this kernel) reads the new number.
+__device__ __forceinline__ void pushed_call_done(const PeerPush& p, uint64_t call) {
+  __syncthreads();  // thread 0 read the call's number before any block can advance it
+  if (threadIdx.x == 0 && atomicAdd(p.done, 1u) == gridDim.x - 1) {
+    *p.done = 0;
+    *reinterpret_cast<volatile uint64_t*>(p.calls) = call;
   }
 }
 

@@ -39,6 +39,24 @@ class CudaTensorParallel : public ::testing::Test {
 const char* const kPairs[] = {"qwen3_gqa_tied", "llama_gqa4_bias_sharded", "trained_qwen3", "qwen3_moe_tied",
                               "trained_qwen3_moe", "qwen3_5_tied", "trained_qwen3_5"};
 
+// rank(r, backend) on rank 1's thread (its backend made there) and on this one for rank 0; rank
+// 1's failure is thrown here once both are done.
+template <typename Rank>
+void run_two_ranks(RankDevices& devices, Backend& be0, Rank&& rank) {
+  std::exception_ptr error;
+  std::thread one([&] {
+    try {
+      auto be1 = devices.make_backend(1);
+      rank(1, *be1);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  rank(0, be0);
+  one.join();
+  if (error) std::rethrow_exception(error);
+}
+
 // Prefill logits of a 100-token prompt and of 3 decoded tokens after it.
 std::vector<float> logits_of(Backend& be, TargetModel& m, const std::vector<int32_t>& prompt) {
   KvCache cache = m.alloc_cache(8, 16);
@@ -199,18 +217,7 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
       }
     }
   };
-  std::exception_ptr error;
-  std::thread one([&] {
-    try {
-      auto be1 = devices->make_backend(1);
-      rank(1, *be1);
-    } catch (...) {
-      error = std::current_exception();
-    }
-  });
-  rank(0, *be0);
-  one.join();
-  if (error) std::rethrow_exception(error);
+  run_two_ranks(*devices, *be0, rank);
   for (size_t c = 0; c < cases.size(); ++c) {
     const Case& k = cases[c];
     const std::string what = ::testing::PrintToString(c) + " (" + std::to_string(k.rows) + " x " +
@@ -336,18 +343,7 @@ TEST_F(CudaTensorParallel, PushedProductsAreSummedAndGatheredExactly) {
     }
     pushed[r] = cuda::pushed_products(be) - before;
   };
-  std::exception_ptr error;
-  std::thread one([&] {
-    try {
-      auto be1 = devices->make_backend(1);
-      rank(1, *be1);
-    } catch (...) {
-      error = std::current_exception();
-    }
-  });
-  rank(0, *be0);
-  one.join();
-  if (error) std::rethrow_exception(error);
+  run_two_ranks(*devices, *be0, rank);
   long long want_pushed = 0, want_sums = 0;
   for (size_t c = 0; c < cases.size(); ++c) {
     const Case& k = cases[c];

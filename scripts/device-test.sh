@@ -211,16 +211,23 @@ if [[ " $steps " == *" tp "* ]]; then
   done
 fi
 if [[ " $steps " == *" serving-tp "* ]]; then
-  # The serving sweep of the 8B-shaped pair at TP 1 and TP (default 2).
+  # The serving sweep at TP 1 and TP (default 2) of the 8B-shaped pair, or with SERVE_TP_MODEL=moe
+  # of the 30B-A3B-shaped pair.
   tp=${TP:-2}
-  random_8b_pair
-  add_tokenizer "$ckpt/qwen3-8b"
+  if [ "${SERVE_TP_MODEL:-8b}" = moe ]; then
+    random_moe_pair
+    target=qwen3-30b-a3b draft=dflash-30b-a3b
+  else
+    random_8b_pair
+    target=qwen3-8b draft=dflash-8b
+  fi
+  add_tokenizer "$ckpt/$target"
   for n in 1 "$tp"; do
-    echo "== serving sweep, 8B-shaped pair, tensor parallel $n =="
+    echo "== serving sweep, $target-shaped pair, tensor parallel $n =="
     python3 tools/bench_serving.py --dflash "$dflash" --n "${SERVE_N:-32}" --concurrency "${SERVE_CONC:-1,8,32}" \
       --max-tokens 128 \
-      --server-args "--device cuda --tensor-parallel $n --model $ckpt/qwen3-8b --draft $ckpt/dflash-8b --gpu-memory-fraction 0.9" \
-      --json "$out/serving_gpu_qwen3-8b-shape_tp$n.json" 2>&1 | tee "$out/serving_gpu_qwen3-8b-shape_tp$n.txt" || status=1
+      --server-args "--device cuda --tensor-parallel $n --model $ckpt/$target --draft $ckpt/$draft --gpu-memory-fraction 0.9" \
+      --json "$out/serving_gpu_$target-shape_tp$n.json" 2>&1 | tee "$out/serving_gpu_$target-shape_tp$n.txt" || status=1
   done
 fi
 

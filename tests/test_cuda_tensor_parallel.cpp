@@ -5,6 +5,7 @@
 // (scripts/device-test.sh STEPS=tp on a two-GPU kind).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <random>
@@ -375,6 +376,93 @@ TEST_F(CudaTensorParallel, PushedProductsAreSummedAndGatheredExactly) {
   EXPECT_EQ(pushed[1], want_pushed + want_sums) << "products that sent their outputs on rank 1";
   EXPECT_EQ(deferred[0], want_sums) << "sums left to the norm on rank 0";
   EXPECT_EQ(deferred[1], want_sums) << "sums left to the norm on rank 1";
+}
+
+// A routed MLP split over two GPUs (Communicator::norm_moe_all_reduce: each rank holds its share
+// of every expert's features, the router whole): the MLP's last kernel (the one-token down kernel
+// at one row, else the combine) sends its output to the peer as its blocks finish. Every rank must
+// get the float32 sum of the ranks' own outputs rounded once, and the sum left to the next norm
+// (RankSum: the RMSNorm kernel, or a summing kernel before a normalizing product) that norm's bits.
+TEST_F(CudaTensorParallel, PushedRoutedMlpIsSummedExactly) {
+  struct Case {
+    int64_t rows;
+    int h, n_experts, top_k, ff;
+    bool f32;
+  };
+  const std::vector<Case> cases = {{1, 2048, 128, 8, 384, true}, {16, 2048, 128, 8, 384, true},
+                                   {1, 256, 16, 4, 64, false},   {5, 512, 40, 6, 96, true},
+                                   {1, 2048, 128, 8, 384, true}, {16, 512, 8, 2, 32, false}};
+  auto be0 = make_cuda_backend();
+  std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
+  std::vector<std::vector<float>> own[2], summed[2], normed[2], normed_deferred[2];
+  long long pushed[2] = {0, 0}, deferred[2] = {0, 0};
+  auto rank = [&](int r, Backend& be) {
+    Communicator& comm = devices->comm(r);
+    const long long before = cuda::pushed_products(be);
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const Case& k = cases[c];
+      std::mt19937 shared(static_cast<uint32_t>(100 * c)), mine(static_cast<uint32_t>(100 * c + 1 + r));
+      auto random = [&](std::mt19937& rng, int64_t rows, int64_t cols, float scale, bool f32 = false) {
+        std::uniform_real_distribution<float> u(-scale, scale);
+        std::vector<float> v(static_cast<size_t>(rows * cols));
+        for (float& e : v) e = u(rng);
+        return f32 ? be.upload_host_f32(v.data(), rows, cols) : be.upload_host(v.data(), rows, cols);
+      };
+      MoeWeights w;
+      w.router = random(shared, k.n_experts, k.h, 6.0f / std::sqrt(static_cast<float>(k.h)));
+      w.gate_up = random(mine, int64_t{k.n_experts} * 2 * k.ff, k.h, 1.7f / std::sqrt(static_cast<float>(k.h)));
+      w.down = random(mine, int64_t{k.n_experts} * k.h, k.ff, 1.7f / std::sqrt(static_cast<float>(k.ff)));
+      w.n_experts = k.n_experts, w.top_k = k.top_k, w.n_ff = k.ff, w.norm_topk_prob = true;
+      const Tensor res = random(shared, k.rows, k.h, 3.0f, k.f32), delta = random(shared, k.rows, k.h, 1.0f);
+      const Tensor norm_w = random(shared, 1, k.h, 1.0f);
+      auto residual = [&] { return k.f32 ? be.alloc_f32(k.rows, k.h) : be.alloc(k.rows, k.h); };
+      Tensor ro = residual(), h = be.alloc(k.rows, k.h), y = be.alloc(k.rows, k.h), out = be.alloc(k.rows, k.h);
+      const ResidualNorm n{&res, &delta, &ro, &norm_w, 1e-6f};
+      be.norm_moe(n, h, w, y);
+      own[r].push_back(be.to_host(y));
+      comm.norm_moe_all_reduce(be, n, h, w, out, nullptr, nullptr);
+      summed[r].push_back(be.to_host(out));
+      // The next norm of the sum (norm_in, or norm_matmul: a normalizing product up to 8 rows).
+      const Tensor res2 = random(shared, k.rows, k.h, 3.0f, true), norm2_w = random(shared, 1, k.h, 1.0f);
+      const Tensor w2 = random(shared, 64, k.h, 1.0f);
+      auto next_norm = [&](const Tensor& d, RankSum* sum) {
+        Tensor ro2 = be.alloc_f32(k.rows, k.h), h2 = be.alloc(k.rows, k.h), y2 = be.alloc(k.rows, 64);
+        const ResidualNorm n2{&res2, &d, &ro2, &norm2_w, 1e-6f, nullptr, nullptr, sum};
+        if (c % 2 == 0) be.norm_in(n2, h2), be.matmul(h2, w2, nullptr, y2);
+        else be.norm_matmul(n2, h2, w2, nullptr, y2);
+        std::vector<float> v = be.to_host(ro2), v2 = be.to_host(y2);
+        v.insert(v.end(), v2.begin(), v2.end());
+        return v;
+      };
+      normed[r].push_back(next_norm(out, nullptr));
+      Tensor out_d = be.alloc(k.rows, k.h);
+      RankSum defer;
+      comm.norm_moe_all_reduce(be, n, h, w, out_d, nullptr, nullptr, &defer);
+      deferred[r] += defer.deferred;
+      normed_deferred[r].push_back(next_norm(out_d, &defer));
+      EXPECT_FALSE(defer.deferred) << "case " << c << ": the norm left the sum over ranks deferred";
+    }
+    pushed[r] = cuda::pushed_products(be) - before;
+  };
+  run_two_ranks(*devices, *be0, rank);
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const Case& k = cases[c];
+    const std::string what = ::testing::PrintToString(c) + " (" + std::to_string(k.rows) + " rows, h " +
+                             std::to_string(k.h) + ", top " + std::to_string(k.top_k) + " of " +
+                             std::to_string(k.n_experts) + ")";
+    ASSERT_EQ(summed[0][c], summed[1][c]) << "case " << what << ": the ranks differ";
+    size_t wrong = 0;
+    for (size_t i = 0; i < own[0][c].size(); ++i)
+      wrong += summed[0][c][i] != bf16_to_f32(f32_to_bf16(own[0][c][i] + own[1][c][i]));
+    EXPECT_EQ(wrong, 0u) << "case " << what;
+    for (int r = 0; r < 2; ++r)
+      EXPECT_EQ(normed_deferred[r][c], normed[r][c]) << "case " << what << ", rank " << r << ": the deferred sum's norm";
+  }
+  const long long n_cases = static_cast<long long>(cases.size());
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(pushed[r], 2 * n_cases) << "routed MLPs that sent their outputs on rank " << r;
+    EXPECT_EQ(deferred[r], n_cases) << "sums left to the norm on rank " << r;
+  }
 }
 
 TEST_F(CudaTensorParallel, MoreRanksThanGpusAreRefused) {

@@ -25,6 +25,14 @@ class Communicator {
     be.matmul(x, w, bias, out);
     all_reduce_sum(be, out);
   }
+  // out = the routed MLP of n (Backend::norm_moe) summed over the ranks, each of which holds its
+  // share of every expert's features; added as all_reduce_sum adds them. A communicator may send
+  // the shares while the MLP's last kernel runs, and leave the sum as matmul_all_reduce does.
+  virtual void norm_moe_all_reduce(Backend& be, const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out,
+                                   Tensor* expert_rows, MoeScratch* scratch, RankSum* /*defer*/ = nullptr) {
+    be.norm_moe(n, h, w, out, expert_rows, scratch);
+    all_reduce_sum(be, out);
+  }
   // t = rank 0's t (same shape on every rank).
   virtual void broadcast(Backend& be, Tensor& t) = 0;
   // all [part.rows, size * part.cols]: row i holds row i of every rank's part side by side, rank

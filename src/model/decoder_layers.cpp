@@ -417,10 +417,19 @@ Tensor run_decoder_layers(Backend& be, const ModelConfig& c, const std::vector<L
     token_mixer(be, c, w, l, in, t, &rank_sum);
     ResidualNorm mlp_in{cur, &delta, next, &w.mlp_norm, c.rms_norm_eps, nullptr, nullptr, &rank_sum};
     if (!w.moe.empty()) {
+      Tensor* expert_rows = in.expert_rows ? &(*in.expert_rows)[l] : nullptr;
+      const bool last = l + 1 == layers.size();
+      if (in.comm && w.shared_gate.empty()) {
+        // The ranks' shares of every expert's features, summed by the next layer's norm (the last
+        // layer's output goes to add_rms_norm below, which takes no deferred sum).
+        in.comm->norm_moe_all_reduce(be, mlp_in, h, w.moe, delta, expert_rows, &t.moe, last ? nullptr : &rank_sum);
+        std::swap(cur, next);
+        continue;
+      }
       // The output goes only to the next layer's norm unless it is summed over ranks, gets the
       // shared expert, or is the last layer's.
-      t.moe.defer_sum = !in.comm && w.shared_gate.empty() && l + 1 < layers.size();
-      be.norm_moe(mlp_in, h, w.moe, delta, in.expert_rows ? &(*in.expert_rows)[l] : nullptr, &t.moe);
+      t.moe.defer_sum = !in.comm && w.shared_gate.empty() && !last;
+      be.norm_moe(mlp_in, h, w.moe, delta, expert_rows, &t.moe);
       t.moe.defer_sum = false;
       if (t.moe.sum_deferred) pending_sum = &t.moe;
       std::swap(cur, next);

@@ -116,6 +116,11 @@ class CudaBackend final : public Backend {
            MoeScratch* scratch) override;  // cuda_moe_ops.cpp
   void norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
                 MoeScratch* scratch) override;
+  // norm_moe whose last kernel (the one-token down kernel or the combine) also sends out's words to
+  // the peers (a pushed exchange, as matmul_pushing's); false, with nothing launched, where out
+  // cannot be exchanged so.
+  bool norm_moe_pushing(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
+                        MoeScratch* scratch, const PeerPush& push);
   void finish_moe_sum(MoeScratch& s, const Tensor& out) override;  // cuda_moe_ops.cpp
   // s.exchange: the PeerPush of the rank (nccl_ranks.cpp) whose products pushed the shares.
   void finish_rank_sum(RankSum& s, const Tensor& out) override;
@@ -143,6 +148,11 @@ class CudaBackend final : public Backend {
   static constexpr size_t kTopRowsPerCall = 64;
 
   Tensor alloc_as(int64_t rows, int64_t cols, DType dt);
+  // moe and norm_moe, their outputs pushed to the peers when push is not null (cuda_moe_ops.cpp).
+  void moe_to(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows, MoeScratch* scratch,
+              const PeerPush* push);
+  void norm_moe_to(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
+                   MoeScratch* scratch, const PeerPush* push);
   // Runs a product through the skinny kernel (cuda_ops.cpp); false when it takes cuBLASLt.
   template <typename Launch>
   bool in_skinny_slices(const Tensor& x, const Tensor& w, Tensor& out, Launch&& launch);
@@ -162,7 +172,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<LtGemm> lt_;
   KernelForms forms_;  // by rule, unless a test forces a form
   long long routed_tile_products_ = 0;  // moe() calls that took the tile products (tests)
-  long long pushed_products_ = 0;       // matmul_pushing calls that launched (tests)
+  long long pushed_products_ = 0;       // matmul_pushing and norm_moe_pushing calls that launched (tests)
   TopCandidatesRow* top_out_ = nullptr;  // top_candidates' results, device and pinned host
   TopCandidatesRow* top_host_ = nullptr;
   std::map<std::vector<float>, float*> inv_freq_;

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/peer_collectives.h"
 
 namespace dflash::cuda {
 
@@ -26,6 +27,11 @@ ExpertViews expert_views(const MoeWeights& w, int64_t hidden) {
 }  // namespace
 
 void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows, MoeScratch* scratch) {
+  moe_to(x, w, out, expert_rows, scratch, nullptr);
+}
+
+void CudaBackend::moe_to(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor* expert_rows, MoeScratch* scratch,
+                         const PeerPush* push) {
   check_moe(x, w, out, expert_rows);
   require_bf16(x, "moe input");
   require_bf16(w.router, "moe router");
@@ -85,14 +91,14 @@ void CudaBackend::moe(const Tensor& x, const MoeWeights& w, Tensor& out, Tensor*
     if (wide) tiles(mat(act), e.down, mat(y), rows, /*swiglu=*/false, max_items, s);
     else launch_skinny_gemm_routed(mat(act), e.down, mat(y), rows, /*swiglu=*/false, tile, max_items, s);
   });
-  if (scratch && scratch->defer_sum) {  // the next RMSNorm sums the experts' outputs as it reads them
+  if (scratch && scratch->defer_sum && !push) {  // the next RMSNorm sums the experts' outputs as it reads them
     scratch->sum_deferred = true;
     scratch->weight_of_pair = weight_of_pair;
     scratch->top_k = w.top_k;
     return;
   }
   staging_.launch([&](cudaStream_t s) {
-    launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s);
+    launch_moe_combine(mat(y), static_cast<const float*>(weight_of_pair.data), w.top_k, mat(out), s, push);
   });
 }
 
@@ -112,6 +118,23 @@ void CudaBackend::finish_moe_sum(MoeScratch& ms, const Tensor& out) {
 // 1: 3.53 -> 3.32 ms a step); other shapes take the steps.
 void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
                            MoeScratch* scratch) {
+  norm_moe_to(n, h, w, out, expert_rows, scratch, nullptr);
+}
+
+// At tensor parallelism each rank's routed MLP is its share of every expert's features: its
+// output goes to the peers from the kernel that writes it, so the words travel while the other
+// blocks still run, and the ranks' shares are added by the next norm (RankSum) or a summing kernel.
+bool CudaBackend::norm_moe_pushing(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out,
+                                   Tensor* expert_rows, MoeScratch* scratch, const PeerPush& push) {
+  if (out.dtype != DType::BF16 || out.stride != out.cols || !peer_push_fits(out.data, out.rows, out.cols, out.stride))
+    return false;
+  norm_moe_to(n, h, w, out, expert_rows, scratch, &push);
+  ++pushed_products_;
+  return true;
+}
+
+void CudaBackend::norm_moe_to(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out, Tensor* expert_rows,
+                              MoeScratch* scratch, const PeerPush* push) {
   const RowNorm rn = row_norm(n);
   const int64_t hidden = n.residual->cols, ff = w.n_ff;
   const ExpertViews e = expert_views(w, hidden);
@@ -124,7 +147,10 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
                          (!scratch || (scratch->act.rows >= w.top_k && scratch->act.cols == ff &&
                                        scratch->act.stride % 8 == 0 &&
                                        reinterpret_cast<uintptr_t>(scratch->act.data) % 16 == 0));
-  if (!one_token) return Backend::norm_moe(n, h, w, out, expert_rows, scratch);
+  if (!one_token) {
+    norm_in(n, h);  // Backend::norm_moe's steps
+    return moe_to(h, w, out, expert_rows, scratch, push);
+  }
   finish_pending_sum(n);  // every kernel reads delta
   check_moe(h, w, out, expert_rows);
   require_bf16(out, "moe output");
@@ -138,7 +164,7 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
   const MoeTokenArgs args{w.n_experts, w.top_k, w.norm_topk_prob, 2 * ff * w.gate_up.stride, hidden * w.down.stride,
                           expert_rows ? static_cast<int32_t*>(expert_rows->data) : nullptr};
   staging_.launch(
-      [&](cudaStream_t s) { launch_moe_token(rn, mat(logits), args, e.gate_up, e.down, mat(act), mat(h), mat(out), s); });
+      [&](cudaStream_t s) { launch_moe_token(rn, mat(logits), args, e.gate_up, e.down, mat(act), mat(h), mat(out), s, push); });
 }
 
 }  // namespace dflash::cuda

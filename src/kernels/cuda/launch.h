@@ -195,7 +195,10 @@ struct MoeRouting {
 constexpr int kMoeMaxExperts = 1024;
 void launch_moe_route(const Mat& logits, const MoeRouting& r, cudaStream_t s);
 // out[t] = sum over j of weight_of_pair[t * top_k + j] * y[t * top_k + j], in j order, in float32.
-void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s);
+// push: out's words also go to the peers, a pushed exchange (peer_collectives.h; out contiguous,
+// its columns even: peer_push_fits).
+void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s,
+                        const PeerPush* push = nullptr);
 
 // A normalizing product's input rows: rmsnorm(residual + delta) * weight, and block 0 stores
 // residual + delta to residual_out (not residual: the other blocks read it); without delta,
@@ -233,8 +236,9 @@ struct MoeTokenArgs {
   int32_t* expert_rows = nullptr;           // optional: 1 for each chosen expert, else 0
 };
 bool moe_token_supported(const RowNorm& n, const Mat& gate_up, const Mat& down, int n_experts, int top_k);
+// push: out's words also go to the peers, as launch_moe_combine's.
 void launch_moe_token(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a, const Mat& gate_up, const Mat& down,
-                      Mat act, Mat h_out, Mat out, cudaStream_t s);
+                      Mat act, Mat h_out, Mat out, cudaStream_t s, const PeerPush* push = nullptr);
 
 // One query row's view of the paged cache.
 struct AttnRow {

@@ -13,6 +13,8 @@
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/moe_math.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/peer_collectives.h"
+#include "kernels/cuda/peer_words.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -99,11 +101,13 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(const bf16* __restrict_
 }
 
 // Two columns a thread: out[t][c] = sum_j weight[t, j] * y[t * top_k + j][c], j ascending.
+// push (push.n_ranks > 1; out contiguous, cols even): each thread's two columns also go to the
+// peers as one flagged word of a pushed exchange (peer_collectives.h).
 constexpr int kCombineThreads = 256;
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16* __restrict__ y, int64_t y_stride,
                                                                       const float* __restrict__ weight_of_pair,
                                                                       int top_k, int64_t cols, bf16* __restrict__ out,
-                                                                      int64_t out_stride) {
+                                                                      int64_t out_stride, PeerPush push) {
   pdl_begin();
   const int t = blockIdx.y;
   const int64_t c = 2 * (int64_t{blockIdx.x} * kCombineThreads + threadIdx.x);
@@ -115,6 +119,13 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const bf16
     const bf16* yr = y + pair * y_stride + c;
     a = fmaf(w, ld(yr), a);
     if (c + 1 < cols) b = fmaf(w, ld(yr + 1), b);
+  }
+  if (push.n_ranks > 1) {
+    const __nv_bfloat162 ab = __floats2bfloat162_rn(a, b);
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(&ab);
+    *reinterpret_cast<uint32_t*>(out + t * out_stride + c) = word;
+    push_word(push, push_call(push), (t * cols + c) / 2, word);
+    return;
   }
   auto* o = reinterpret_cast<__nv_bfloat16*>(out + t * out_stride + c);
   o[0] = __float2bfloat16(a);
@@ -143,10 +154,11 @@ void launch_moe_route(const Mat& logits, const MoeRouting& r, cudaStream_t s) {
   else go(moe_route_rows_kernel<32>, moe_route_kernel<32>);
 }
 
-void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s) {
+void launch_moe_combine(const Mat& y, const float* weight_of_pair, int top_k, Mat out, cudaStream_t s,
+                        const PeerPush* push) {
   const unsigned col_blocks = static_cast<unsigned>((out.cols + 2 * kCombineThreads - 1) / (2 * kCombineThreads));
   launch(moe_combine_kernel, dim3(col_blocks, static_cast<unsigned>(out.rows)), dim3(kCombineThreads), s, y.data,
-         y.stride, weight_of_pair, top_k, out.cols, out.data, out.stride);
+         y.stride, weight_of_pair, top_k, out.cols, out.data, out.stride, push ? *push : PeerPush{});
 }
 
 }  // namespace dflash::cuda

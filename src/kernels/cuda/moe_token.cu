@@ -16,6 +16,8 @@
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/moe_math.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/peer_collectives.h"
+#include "kernels/cuda/peer_words.cuh"
 #include "kernels/cuda/row_norm.cuh"
 
 namespace dflash::cuda {
@@ -179,7 +181,7 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
                                                                           int64_t act_stride, int K,
                                                                           const bf16* __restrict__ w, int64_t w_stride,
                                                                           int64_t w_step, int N,
-                                                                          bf16* __restrict__ out) {
+                                                                          bf16* __restrict__ out, PeerPush push) {
   constexpr int S = kDownStages;
   DFLASH_DYNAMIC_SMEM(smem_raw);
   __shared__ TokenRoute route;
@@ -252,19 +254,28 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
   }
   cp_async_wait<0>();
   __syncthreads();
-  if (threadIdx.x < 16) {
-    const int f = threadIdx.x;
-    const int64_t feature = n0 + f;
-    if (feature < N) {
-      float sum = 0.0f;
-      for (int j = 0; j < top_k; ++j) {
-        float y = 0.0f;
+  if (warp > 0) return;
+  const int f = lane % 16;  // lanes 16-31 shadow 0-15 (every lane takes part in the shuffle)
+  const int64_t feature = n0 + f;
+  float sum = 0.0f;
+  if (feature < N) {
+    for (int j = 0; j < top_k; ++j) {
+      float y = 0.0f;
 #pragma unroll
-        for (int ww = 0; ww < kWarps; ++ww) y += red[ww][j][f];
-        sum = fmaf(route.weight[j], round_bf(y), sum);  // the expert's output in bf16, as the combine reads it
-      }
-      reinterpret_cast<__nv_bfloat16*>(out)[feature] = __float2bfloat16(sum);
+      for (int ww = 0; ww < kWarps; ++ww) y += red[ww][j][f];
+      sum = fmaf(route.weight[j], round_bf(y), sum);  // the expert's output in bf16, as the combine reads it
     }
+  }
+  if (push.n_ranks > 1) {  // N even: features f and f + 1 in one word, here and in the peers' inboxes
+    const float next = __shfl_down_sync(kFull, sum, 1);
+    if (lane < 16 && f % 2 == 0 && feature < N) {
+      const __nv_bfloat162 word2 = __floats2bfloat162_rn(sum, next);
+      const uint32_t word = *reinterpret_cast<const uint32_t*>(&word2);
+      *reinterpret_cast<uint32_t*>(out + feature) = word;
+      push_word(push, push_call(push), feature / 2, word);
+    }
+  } else if (lane < 16 && feature < N) {
+    reinterpret_cast<__nv_bfloat16*>(out)[feature] = __float2bfloat16(sum);
   }
 }
 
@@ -283,7 +294,7 @@ size_t down_smem(int top_k, int64_t ff) {
 
 template <int kPerLane>
 void launch_per_lane(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a, const Mat& gate_up, const Mat& down,
-                     Mat act, Mat h_out, Mat out, cudaStream_t s) {
+                     Mat act, Mat h_out, Mat out, cudaStream_t s, const PeerPush* push) {
   const int64_t k = gate_up.cols, ff = down.cols;
   auto gu = n.f32 ? moe_token_gate_up_kernel<kPerLane, float> : moe_token_gate_up_kernel<kPerLane, bf16>;
   static std::atomic<uint64_t> gu_configured{0}, gu_f32_configured{0}, down_configured{0};
@@ -296,7 +307,7 @@ void launch_per_lane(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a,
   allow_smem(dn, down_configured, kMaxSmem);
   launch_smem(dn, dim3(static_cast<unsigned>((down.rows + 15) / 16)), kDownWarps * 32, down_smem(a.top_k, ff), s,
               logits.data, a, act.data, act.stride, static_cast<int>(ff), down.data, down.stride, a.down_step,
-              static_cast<int>(down.rows), out.data);
+              static_cast<int>(down.rows), out.data, push ? *push : PeerPush{});
 }
 
 }  // namespace
@@ -319,14 +330,14 @@ bool moe_token_supported(const RowNorm& n, const Mat& gate_up, const Mat& down, 
 }
 
 void launch_moe_token(const RowNorm& n, const Mat& logits, const MoeTokenArgs& a, const Mat& gate_up, const Mat& down,
-                      Mat act, Mat h_out, Mat out, cudaStream_t s) {
+                      Mat act, Mat h_out, Mat out, cudaStream_t s, const PeerPush* push) {
   RowNorm in = n;
   in.residual_out = nullptr;  // the router product stores residual + delta
   const int e = a.n_experts;
-  if (e <= 128) launch_per_lane<4>(in, logits, a, gate_up, down, act, h_out, out, s);
-  else if (e <= 256) launch_per_lane<8>(in, logits, a, gate_up, down, act, h_out, out, s);
-  else if (e <= 512) launch_per_lane<16>(in, logits, a, gate_up, down, act, h_out, out, s);
-  else launch_per_lane<32>(in, logits, a, gate_up, down, act, h_out, out, s);
+  if (e <= 128) launch_per_lane<4>(in, logits, a, gate_up, down, act, h_out, out, s, push);
+  else if (e <= 256) launch_per_lane<8>(in, logits, a, gate_up, down, act, h_out, out, s, push);
+  else if (e <= 512) launch_per_lane<16>(in, logits, a, gate_up, down, act, h_out, out, s, push);
+  else launch_per_lane<32>(in, logits, a, gate_up, down, act, h_out, out, s, push);
 }
 
 }  // namespace dflash::cuda

@@ -159,6 +159,18 @@ class NcclCommunicator final : public Communicator {
     }
     Communicator::matmul_all_reduce(be, x, w, bias, out, defer);
   }
+  // The routed MLP's last kernel sends its output as its blocks finish; the sum as above.
+  void norm_moe_all_reduce(Backend& be, const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out,
+                           Tensor* expert_rows, MoeScratch* scratch, RankSum* defer) override {
+    auto& c = ready(be, out, "all-reduce");
+    if (push_ && c.norm_moe_pushing(n, h, w, out, expert_rows, scratch, *push_)) {
+      RankSum sum{true, push_};
+      if (defer) *defer = sum;
+      else c.finish_rank_sum(sum, out);
+      return;
+    }
+    Communicator::norm_moe_all_reduce(be, n, h, w, out, expert_rows, scratch, defer);
+  }
   // Where the product is the skinny kernel's, it writes its part into its columns of all and its
   // blocks send their outputs to the peers as they finish; a small kernel puts the peers' parts in.
   void matmul_all_gather(Backend& be, const Tensor& x, const Tensor& w, Tensor& all) override {

@@ -51,6 +51,21 @@ __device__ __forceinline__ uint32_t load_flagged(const uint2* p, uint32_t flag, 
   }
 }
 
+// The number of the pushed exchange that a producing kernel sends (after its wait: the kernel
+// that received the previous exchange has advanced the count by then).
+__device__ __forceinline__ uint64_t push_call(const PeerPush& p) {
+  return *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
+}
+
+// Word `index` of this rank's output in call `call` of a pushed exchange (peer_collectives.h:
+// word w holds features 2w and 2w + 1 of the flattened [rows, cols] output), flagged, into every
+// peer's push inbox.
+__device__ __forceinline__ void push_word(const PeerPush& p, uint64_t call, int64_t index, uint32_t word) {
+  const int64_t at = static_cast<int64_t>(call & 1) * kPushMaxWords + index;
+  for (int q = 0; q < p.n_ranks; ++q)
+    if (q != p.rank) store_flagged(p.to[q] + at, word, static_cast<uint32_t>(call));
+}
+
 // A pushed exchange's call number, read by every block of a kernel that receives it (thread 0
 // reads it; the whole block must call this).
 __device__ __forceinline__ uint64_t pushed_call(const PeerPush& p) {

@@ -314,9 +314,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       if (push.n_ranks > 1) {
         // A thread takes two adjacent features of a token (the same sums as below, rounded
         // together): one 4-byte word here and, flagged, in every peer's inbox.
-        const uint64_t call = *reinterpret_cast<const volatile uint64_t*>(push.calls) + 1;
-        const uint32_t flag = static_cast<uint32_t>(call);
-        const int64_t half = static_cast<int64_t>(call & 1) * kPushMaxWords;
+        const uint64_t call = push_call(push);
         for (int e = threadIdx.x; e < RT * 8 * MT * 8; e += kWarps * 32) {
           const int token = e % (MT * 8), f = 2 * (e / (MT * 8));  // f: the pair's first feature in the block
           const int64_t feature = o.n0 + f;
@@ -333,9 +331,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
           const __nv_bfloat162 y = __floats2bfloat162_rn(s0, s1);
           const uint32_t word = *reinterpret_cast<const uint32_t*>(&y);
           *reinterpret_cast<uint32_t*>(out + token * out_stride + feature) = word;
-          const int64_t at = half + (token * N + feature) / 2;  // the exchange's word (peer_collectives.h)
-          for (int q = 0; q < push.n_ranks; ++q)
-            if (q != push.rank) store_flagged(push.to[q] + at, word, flag);
+          push_word(push, call, (token * N + feature) / 2, word);
         }
         return;
       }

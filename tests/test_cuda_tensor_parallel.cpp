@@ -40,6 +40,9 @@ class CudaTensorParallel : public ::testing::Test {
 const char* const kPairs[] = {"qwen3_gqa_tied", "llama_gqa4_bias_sharded", "trained_qwen3", "qwen3_moe_tied",
                               "trained_qwen3_moe", "qwen3_5_tied", "trained_qwen3_5"};
 
+// Per case, each rank's inputs or outputs of a sequence of collectives.
+using PerCase = std::vector<std::vector<float>>;
+
 // rank(r, backend) on rank 1's thread (its backend made there) and on this one for rank 0; rank
 // 1's failure is thrown here once both are done.
 template <typename Rank>
@@ -193,7 +196,6 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
 
   auto be0 = make_cuda_backend();
   std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
-  using PerCase = std::vector<std::vector<float>>;
   PerCase inputs[2], outputs[2];
   auto rank = [&](int r, Backend& be) {
     for (size_t c = 0; c < cases.size(); ++c) {
@@ -243,6 +245,18 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
   }
 }
 
+// Case c of a sum over two ranks: every element is the float32 sum of the ranks' own outputs
+// rounded once, and on each rank the norm that took the deferred sum gave the undeferred norm's bits.
+void expect_exact_sum(const PerCase (&own)[2], const PerCase (&summed)[2], const PerCase (&normed)[2],
+                      const PerCase (&normed_deferred)[2], size_t c, const std::string& what) {
+  size_t wrong = 0;
+  for (size_t i = 0; i < own[0][c].size(); ++i)
+    wrong += summed[0][c][i] != bf16_to_f32(f32_to_bf16(own[0][c][i] + own[1][c][i]));
+  EXPECT_EQ(wrong, 0u) << "case " << what;
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(normed_deferred[r][c], normed[r][c]) << "case " << what << ", rank " << r << ": the deferred sum's norm";
+}
+
 // A product split along K, summed over two GPUs (Communicator::matmul_all_reduce): where the
 // skinny kernel takes it, its blocks send their outputs to the peer as they finish and a small
 // kernel adds them up. Every rank must get the float32 sum of the ranks' own products rounded once
@@ -264,7 +278,7 @@ TEST_F(CudaTensorParallel, PushedProductsAreSummedAndGatheredExactly) {
   for (int round = 0; round < 3; ++round) cases.insert(cases.end(), shapes.begin(), shapes.end());
   auto be0 = make_cuda_backend();
   std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
-  std::vector<std::vector<float>> own[2], summed[2], normed[2], normed_deferred[2];
+  PerCase own[2], summed[2], normed[2], normed_deferred[2];
   long long pushed[2] = {0, 0}, deferred[2] = {0, 0};
   // Products split along N whose parts every rank gathers (a vocabulary split's logits): rows, K, N
   // of a rank, and whether the parts fit the pushed exchange.
@@ -274,7 +288,7 @@ TEST_F(CudaTensorParallel, PushedProductsAreSummedAndGatheredExactly) {
   };
   const std::vector<Gather> gathers = {{16, 512, 75968, true}, {1, 2048, 1000, true}, {32, 256, 70000, false},
                                        {3, 1024, 4096, true},  {16, 512, 75968, true}, {40, 256, 4096, false}};
-  std::vector<std::vector<float>> own_part[2], gathered[2];
+  PerCase own_part[2], gathered[2];
   auto rank = [&](int r, Backend& be) {
     Communicator& comm = devices->comm(r);
     const long long before = cuda::pushed_products(be);
@@ -354,12 +368,7 @@ TEST_F(CudaTensorParallel, PushedProductsAreSummedAndGatheredExactly) {
                              std::to_string(k.k) + " -> " + std::to_string(k.n) + ")";
     ASSERT_EQ(summed[0][c], summed[1][c]) << "case " << what << ": the ranks differ";
     ASSERT_EQ(summed[0][c].size(), own[0][c].size()) << "case " << what;
-    size_t wrong = 0;
-    for (size_t i = 0; i < own[0][c].size(); ++i)
-      wrong += summed[0][c][i] != bf16_to_f32(f32_to_bf16(own[0][c][i] + own[1][c][i]));
-    EXPECT_EQ(wrong, 0u) << "case " << what;
-    for (int r = 0; r < 2; ++r)
-      EXPECT_EQ(normed_deferred[r][c], normed[r][c]) << "case " << what << ", rank " << r << ": the deferred sum's norm";
+    expect_exact_sum(own, summed, normed, normed_deferred, c, what);
   }
   for (size_t g = 0; g < gathers.size(); ++g) {
     const Gather& k = gathers[g];
@@ -397,7 +406,7 @@ TEST_F(CudaTensorParallel, PushedRoutedMlpIsSummedExactly) {
                                    {16, 512, 8, 2, 32, false, true}};
   auto be0 = make_cuda_backend();
   std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
-  std::vector<std::vector<float>> own[2], summed[2], normed[2], normed_deferred[2];
+  PerCase own[2], summed[2], normed[2], normed_deferred[2];
   long long pushed[2] = {0, 0}, deferred[2] = {0, 0};
   auto rank = [&](int r, Backend& be) {
     Communicator& comm = devices->comm(r);
@@ -454,12 +463,7 @@ TEST_F(CudaTensorParallel, PushedRoutedMlpIsSummedExactly) {
                              std::to_string(k.h) + ", top " + std::to_string(k.top_k) + " of " +
                              std::to_string(k.n_experts) + ")";
     ASSERT_EQ(summed[0][c], summed[1][c]) << "case " << what << ": the ranks differ";
-    size_t wrong = 0;
-    for (size_t i = 0; i < own[0][c].size(); ++i)
-      wrong += summed[0][c][i] != bf16_to_f32(f32_to_bf16(own[0][c][i] + own[1][c][i]));
-    EXPECT_EQ(wrong, 0u) << "case " << what;
-    for (int r = 0; r < 2; ++r)
-      EXPECT_EQ(normed_deferred[r][c], normed[r][c]) << "case " << what << ", rank " << r << ": the deferred sum's norm";
+    expect_exact_sum(own, summed, normed, normed_deferred, c, what);
   }
   long long n_pushed = 0;
   for (const Case& k : cases) n_pushed += k.pushed;

@@ -7,7 +7,16 @@
 
 #include <httplib.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -181,6 +190,7 @@ struct Server : ::testing::Test {
   std::thread thread;
   std::unique_ptr<httplib::Client> client;
   std::vector<int32_t> hello;  // token ids of "Hello world"
+  int port = 0;
 
   void SetUp() override {
     ServerOptions o;
@@ -192,7 +202,8 @@ struct Server : ::testing::Test {
     server = std::make_unique<HttpServer>(engine, o);
     std::promise<int> port;
     thread = std::thread([&] { server->run([&](int p) { port.set_value(p); }); });
-    client = std::make_unique<httplib::Client>("127.0.0.1", port.get_future().get());
+    this->port = port.get_future().get();
+    client = std::make_unique<httplib::Client>("127.0.0.1", this->port);
     client->set_read_timeout(30, 0);
   }
   void TearDown() override {
@@ -204,6 +215,42 @@ struct Server : ::testing::Test {
   }
   std::string metrics() { return client->Get("/metrics")->body; }
 };
+
+// A burst of clients connecting at once: every handshake completes at once, whether or not the
+// accepting thread has taken the earlier connections yet (a full listen queue drops handshakes,
+// which a client repeats only after a second).
+TEST_F(Server, ABurstOfConnectionsIsAcceptedAtOnce) {
+  constexpr int kClients = 256;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::vector<pollfd> socks;
+  for (int i = 0; i < kClients; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    ASSERT_GE(fd, 0);
+    socks.push_back({fd, POLLOUT, 0});
+    const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
+    ASSERT_TRUE(rc == 0 || errno == EINPROGRESS) << std::strerror(errno);
+  }
+  // Connected sockets become writable; a dropped handshake leaves its socket waiting a second.
+  int connected = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(600);
+  for (pollfd& p : socks) {
+    const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          give_up - std::chrono::steady_clock::now()).count());
+    int err = -1;
+    socklen_t len = sizeof err;
+    if (::poll(&p, 1, std::max(left, 0)) == 1 && (p.revents & POLLOUT) &&
+        ::getsockopt(p.fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0)
+      ++connected;
+  }
+  for (const pollfd& p : socks) ::close(p.fd);
+  EXPECT_EQ(connected, kClients);
+  auto r = client->Get("/health");  // and the server still answers
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
 
 TEST_F(Server, EndsMapToStopAndLength) {
   for (auto [reason, text] : {std::pair{FinishReason::Eos, "stop"}, std::pair{FinishReason::Length, "length"},

@@ -65,13 +65,27 @@ class Server:
         self.proc.wait()
 
     def metrics(self):
+        """The server's /metrics values by name: those without labels or with the model's alone."""
         text = urllib.request.urlopen(f"{self.url}/metrics").read().decode()
-        get = lambda name: next((float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ")), 0.0)
-        return get("dflash_acceptance_length_sum"), get("dflash_acceptance_length_count")
+        out = {}
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and not line.startswith("#"):
+                name = parts[0].replace(f'{{model="{self.model}"}}', "")
+                if "{" not in name:
+                    out[name] = float(parts[1])
+        return out
+
+
+# Server counters whose change over a sweep goes into --json, to tell where a sweep's time went.
+SWEEP_COUNTERS = ["dflash_engine_steps_total", "dflash_graph_steps_total", "dflash_dflash_steps_total",
+                  "dflash_prompt_tokens_total", "dflash_generation_tokens_total",
+                  "dflash_prefix_cache_hit_pages_total", "dflash_preemptions_total"]
 
 
 def request(server, prompt, max_tokens, mode):
-    """One streaming request: (completion tokens, TTFT s, TPOT s)."""
+    """One streaming request: (completion tokens, TTFT s, TPOT s, start s, end s); start and end
+    on time.perf_counter's clock."""
     chat = mode == "chat"
     body = {"model": server.model, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -102,7 +116,7 @@ def request(server, prompt, max_tokens, mode):
             first = first or last
     conn.close()
     tokens = usage["completion_tokens"]
-    return tokens, first - t0, (last - first) / (tokens - 1) if tokens > 1 else 0.0
+    return tokens, first - t0, (last - first) / (tokens - 1) if tokens > 1 else 0.0, t0, time.perf_counter()
 
 
 def sweep_one(server, prompts, c, max_tokens, mode):
@@ -135,11 +149,18 @@ def sweep_one(server, prompts, c, max_tokens, mode):
     if errors:
         sys.exit(f"requests failed: {errors[:3]}")
     acc1 = server.metrics()
+    delta = lambda name: acc1.get(name, 0.0) - acc0.get(name, 0.0)
     tokens = sum(r[0] for r in results)
-    steps = acc1[1] - acc0[1]
-    return {"output_tok_s": tokens / wall, "ttft_ms": 1000 * sum(r[1] for r in results) / len(results),
+    steps = delta("dflash_acceptance_length_count")
+    ttfts = sorted(1000 * r[1] for r in results)
+    ms = lambda t: round(1000 * (t - t0), 2)
+    return {"output_tok_s": tokens / wall, "ttft_ms": sum(ttfts) / len(ttfts),
+            "ttft_ms_p50": ttfts[len(ttfts) // 2], "ttft_ms_max": ttfts[-1],
             "tpot_ms": 1000 * sum(r[2] for r in results) / len(results),
-            "tau": (acc1[0] - acc0[0]) / steps if steps > 0 else 1.0, "tokens": tokens, "wall_s": wall}
+            "tau": delta("dflash_acceptance_length_sum") / steps if steps > 0 else 1.0, "tokens": tokens,
+            "wall_s": wall, "server": {name: delta(name) for name in SWEEP_COUNTERS},
+            # Each request in start order: [start, first token, end] in ms from the sweep's start, tokens.
+            "requests": [[ms(r[3]), ms(r[3] + r[1]), ms(r[4]), r[0]] for r in sorted(results, key=lambda r: r[3])]}
 
 
 def main():
@@ -170,13 +191,13 @@ def main():
                 sys.stderr.write(f"{variant} c={c}: {r['output_tok_s']:.1f} tok/s\n")
         finally:
             server.stop()
-    print("concurrency | variant  | output tok/s | TTFT ms | TPOT ms | tau  | speedup")
+    print("concurrency | variant  | output tok/s | TTFT ms | TTFT max | TPOT ms | tau  | speedup")
     for c in conc:
         base = next(r for r in rows if r["variant"] == "baseline" and r["concurrency"] == c)
         for r in (x for x in rows if x["concurrency"] == c):
             r["speedup"] = r["output_tok_s"] / base["output_tok_s"]
             print(f"{c:>11} | {r['variant']:<8} | {r['output_tok_s']:>12.1f} | {r['ttft_ms']:>7.1f} | "
-                  f"{r['tpot_ms']:>7.2f} | {r['tau']:.2f} | {r['speedup']:.2f}x")
+                  f"{r['ttft_ms_max']:>8.1f} | {r['tpot_ms']:>7.2f} | {r['tau']:.2f} | {r['speedup']:.2f}x")
     if a.json:
         settings = {"data": a.data, "n": a.n, "max_tokens": a.max_tokens, "mode": a.mode,
                     "server_args": a.server_args, "concurrency": conc}

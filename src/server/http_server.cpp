@@ -3,8 +3,10 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -171,6 +173,7 @@ struct HttpServer::Impl {
   std::mutex seed_mu;
   std::mt19937_64 seed_gen{std::random_device{}()};
   std::atomic<bool> stop_requested{false};  // stop() was called (maybe before the server ran)
+  int listen_socket = -1;                    // the socket bind_to_port bound last
   // A fresh seed for a sampled request that names none.
   uint64_t seeds() {
     std::lock_guard<std::mutex> lk(seed_mu);
@@ -229,6 +232,10 @@ struct HttpServer::Impl {
     // never reuses a connection the server has just closed.
     svr.set_keep_alive_timeout(75);
     svr.set_keep_alive_max_count(1000);
+    svr.set_socket_options([this](socket_t sock) {
+      httplib::default_socket_options(sock);
+      listen_socket = sock;
+    });
     const int n_threads = opts.n_threads;
     svr.new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
     svr.set_error_handler([this](const httplib::Request&, httplib::Response& res) {
@@ -490,6 +497,13 @@ void HttpServer::run(const std::function<void(int)>& on_listening) {
     check(impl_->svr.bind_to_port(impl_->opts.host, port), "cannot bind to ", impl_->opts.host, ":", port,
           " (in use, or not an address of this machine)");
   }
+  // cpp-httplib listens with a backlog of 5. A burst of clients connecting at once (a benchmark's
+  // 32) overflows it before the accepting thread drains it, and the kernel drops their handshakes,
+  // which clients repeat only after a second: those requests started a second late
+  // (bench/results/serving_h200x2_qwen3-8b-shape_tp1_listen_backlog.txt). The bound socket listens
+  // again with the system's largest backlog.
+  check(::listen(impl_->listen_socket, SOMAXCONN) == 0, "cannot listen on ", impl_->opts.host, ":", port, ": ",
+        std::strerror(errno));
   // The first exchange of a fresh server starts its worker threads and request path: about 4 ms
   // to accept the first connection and 5-7 ms more before its handler ran (H200, 8B shape:
   // bench/results/ttft_h200_qwen3-8b-shape_timeline.txt). A helper thread asks the server for

@@ -6,7 +6,7 @@
 // every warp keeps the online softmax state of its 16 vectors in registers.
 //
 // Prefill form: one pass over all the keys, no splits. Long form (rows with at least
-// kAttnLongKeys keys): blocks of attn_long_split_keys keys each (grid.y), whose partial states a
+// kAttnLongKeys keys): blocks of kAttnLongSplitKeys keys each (grid.y), whose partial states a
 // combine kernel merges in split order; a 16-row verification block then reads each K/V row
 // once per KV head, not once per 4-row tile as the decode kernel does.
 //
@@ -45,10 +45,9 @@ struct PrefillSmem {
   bf16 v[2][kTileKeys<HD>][HD + 8];
 };
 
-// Splits of the long form (of `split` keys) a row's visible keys fall in (counted from key 0, as
-// n_splits_of).
-__device__ __forceinline__ int long_splits(const Visible& v, int split) {
-  return v.end > v.begin ? (v.end - 1) / split - v.begin / split + 1 : 0;
+// Splits of the long form a row's visible keys fall in (counted from key 0, as n_splits_of).
+__device__ __forceinline__ int long_splits(const Visible& v) {
+  return v.end > v.begin ? (v.end - 1) / kAttnLongSplitKeys - v.begin / kAttnLongSplitKeys + 1 : 0;
 }
 
 // A block: tile tiles[n_tiles - 1 - blockIdx.x / (KV heads x head chunks)] (the latest rows,
@@ -56,7 +55,7 @@ __device__ __forceinline__ int long_splits(const Visible& v, int split) {
 // Warp w takes rows w * R .. w * R + R - 1 of the tile (R = 16 / heads) x the chunk's heads;
 // lane (g, qd) holds vectors g and g + 8 in the mma fragment layout.
 // kSplit: the long form; block row blockIdx.y takes keys [y * S, y * S + S) (S =
-// attn_long_split_keys) and a vector with keys in several splits writes its partial state (m in
+// kAttnLongSplitKeys) and a vector with keys in several splits writes its partial state (m in
 // log2 units, l, acc) to workspace[(work_rows[row] * n_heads + head) * max_splits + split].
 template <int HD, bool kSplit>
 __global__ void __launch_bounds__(kWarps * 32, 2)
@@ -106,9 +105,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   }
   __syncthreads();
   const int split = kSplit ? static_cast<int>(blockIdx.y) : 0;
-  const int split_keys = attn_long_split_keys(shp.n_kv_heads);
-  const int split_begin = kSplit ? split * split_keys : 0;
-  const int split_end = kSplit ? split_begin + split_keys : INT32_MAX;
+  const int split_begin = kSplit ? split * kAttnLongSplitKeys : 0;
+  const int split_end = kSplit ? split_begin + kAttnLongSplitKeys : INT32_MAX;
   const int key_begin = max(range_s[0], split_begin) / TK * TK, key_end = min(range_s[1], split_end);
   const int n_key_tiles = key_end > key_begin ? (key_end - key_begin + TK - 1) / TK : 0;
 
@@ -236,7 +234,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     // The vector's splits: those its keys fall in (a row that sees no key: split 0, zeros).
     const bool mine = lo[h] >= hi[h] ? split == 0 : lo[h] < split_end && hi[h] > split_begin;
     if (!vok[h] || !mine) continue;
-    if (kSplit && long_splits(Visible{lo[h], hi[h]}, split_keys) > 1) {
+    if (kSplit && long_splits(Visible{lo[h], hi[h]}) > 1) {
       const int64_t item = static_cast<int64_t>(work_rows[vrow[h]]) * shp.n_heads + vhead[h];
       float* part = workspace + (item * max_splits + split) * (HD + 2);
       if (qd == 0) part[0] = m[h], part[1] = l[h];
@@ -270,12 +268,11 @@ __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows
   const bool valid = item < static_cast<int64_t>(n_rows) * shp.n_heads;
   const int row = valid ? static_cast<int>(item / shp.n_heads) : 0, head = static_cast<int>(item % shp.n_heads);
   const Visible vis = visible_keys(rows[row], shp.sliding_window);
-  const int split_keys = attn_long_split_keys(shp.n_kv_heads);
-  const int n_splits = valid ? long_splits(vis, split_keys) : 0;
+  const int n_splits = valid ? long_splits(vis) : 0;
   pdl_wait();
   if (n_splits > 1) {
     const int64_t work_item = static_cast<int64_t>(work_rows[row]) * shp.n_heads + head;
-    const float* base = workspace + (work_item * max_splits + vis.begin / split_keys) * (hd + 2);
+    const float* base = workspace + (work_item * max_splits + vis.begin / kAttnLongSplitKeys) * (hd + 2);
     float m = -INFINITY, l = 0.0f, a = 0.0f;
     for (int s0 = 0; s0 < n_splits; s0 += kBatch) {
       float mb[kBatch], lb[kBatch], v[kBatch];
@@ -352,8 +349,7 @@ void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cac
 }
 
 int64_t attention_long_workspace_bytes(int n_long_rows, int max_keys, const AttnShape& shp) {
-  const int split_keys = attn_long_split_keys(shp.n_kv_heads);
-  const int64_t splits = (max_keys + split_keys - 1) / split_keys;
+  const int64_t splits = (max_keys + kAttnLongSplitKeys - 1) / kAttnLongSplitKeys;
   return splits > 1 ? int64_t{n_long_rows} * shp.n_heads * splits * (shp.head_dim + 2) * int64_t{sizeof(float)} : 0;
 }
 
@@ -362,8 +358,7 @@ void launch_attention_long(const Mat& q, const Mat& k_cache, const Mat& v_cache,
                            const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
                            cudaStream_t s) {
   if (n_tiles == 0) return;
-  const int split_keys = attn_long_split_keys(shp.n_kv_heads);
-  const int splits = std::max(1, (max_keys + split_keys - 1) / split_keys);
+  const int splits = std::max(1, (max_keys + kAttnLongSplitKeys - 1) / kAttnLongSplitKeys);
   launch_by_dim<true>(q, k_cache, v_cache, rows, tiles, n_tiles, splits, page_tables, shp, work_rows, workspace, out,
                       s);
   if (splits <= 1) return;

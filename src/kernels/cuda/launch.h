@@ -294,15 +294,12 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
 // match launch_attention's bits. Prefill: one pass over all the keys, no workspace (long query
 // segments). Long: rows with at least kAttnLongKeys visible keys (their own count, so that a
 // verification row and the same row decoded alone take the same kernel), in splits of
-// attn_long_split_keys keys merged by a combine kernel; `rows` gives the other rows no keys.
+// kAttnLongSplitKeys keys merged by a combine kernel; `rows` gives the other rows no keys.
 constexpr int kAttnLongKeys = 8192;
-// Keys of a long-form split: 512 with 8 KV heads or more (a rank's), shorter with fewer, so that a
-// 16-row verification (one tile a KV head) still fills the GPU at kAttnLongKeys keys: 128 blocks
-// for 4 KV heads (tensor parallelism halving 8, or a 4-head model) as for 8. Depends on the shape
-// alone, so rows stay batch-invariant.
-__host__ __device__ constexpr int attn_long_split_keys(int n_kv_heads) {
-  return n_kv_heads >= 8 ? 512 : n_kv_heads >= 4 ? 256 : n_kv_heads >= 2 ? 128 : 64;
-}
+// One split length for every shape: shorter splits for ranks of 4 KV heads filled more of the GPU
+// at batch 1 (4-10% faster) but cost batch 8 3-13% in partials through memory
+// (bench/results/bench_step_h200x2_long_splits_by_kv_heads_dropped.txt).
+constexpr int kAttnLongSplitKeys = 512;
 int attention_prefill_heads(const AttnShape& shape);
 int attention_prefill_rows_per_tile(const AttnShape& shape);
 void launch_attention_prefill(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -248,6 +249,33 @@ TEST_F(Server, ABurstOfConnectionsIsAcceptedAtOnce) {
   for (const pollfd& p : socks) ::close(p.fd);
   EXPECT_EQ(connected, kClients);
   auto r = client->Get("/health");  // and the server still answers
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+// A second server on a port in use fails to start with a message naming the port, instead of
+// sharing the port's connections with the first.
+TEST_F(Server, ASecondServerOnThePortFailsToStart) {
+  ServerOptions o;
+  o.port = port;
+  o.model_name = "m";
+  o.tokenizer_dir = qwen3_dir();
+  const std::string expected = "cannot bind to 127.0.0.1:" + std::to_string(port);
+  try {
+    check_can_bind("127.0.0.1", port);  // what serve asks before it loads the model
+    ADD_FAILURE() << "check_can_bind took a port in use";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
+  HttpServer second(engine, o);
+  try {
+    // Announcing throws, so that a server that did start stops at once.
+    second.run([](int) { throw std::runtime_error("the second server started"); });
+    ADD_FAILURE() << "run returned";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
+  auto r = client->Get("/health");  // the first one goes on
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200);
 }

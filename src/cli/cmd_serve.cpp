@@ -96,6 +96,7 @@ Command add_serve(CLI::App& app) {
     if (http.model_name.empty()) http.model_name = std::filesystem::path(a->model).lexically_normal().filename().string();
     if (http.model_name.empty()) http.model_name = std::filesystem::path(a->model).parent_path().filename().string();
 
+    server::check_can_bind(http.host, http.port);  // before a load that may take minutes
     ServingEngine engine(so);
     const ServingStats st = engine.stats();
     const std::string ranks = a->tensor_parallel > 1 ? cat(", tensor parallel over ", a->tensor_parallel,

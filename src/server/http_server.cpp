@@ -1,6 +1,9 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -158,6 +161,18 @@ constexpr double kHoldStatusMaxS = 30;
 // short generations get their final status (200 or 500) and a plain body.
 constexpr double kHeartbeatS = 1;
 
+// SO_REUSEADDR, so that a restarted server binds while its old connections wait out TIME_WAIT.
+// Not cpp-httplib's default SO_REUSEPORT: with it a second server on the same port starts too,
+// and the kernel spreads connections over both.
+void reuse_address(int sock) {
+  const int yes = 1;
+  ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+}
+
+std::string bind_error(const std::string& host, int port) {
+  return cat("cannot bind to ", host, ":", port, " (in use, or not an address of this machine)");
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
@@ -233,7 +248,7 @@ struct HttpServer::Impl {
     svr.set_keep_alive_timeout(75);
     svr.set_keep_alive_max_count(1000);
     svr.set_socket_options([this](socket_t sock) {
-      httplib::default_socket_options(sock);
+      reuse_address(sock);
       listen_socket = sock;
     });
     const int n_threads = opts.n_threads;
@@ -479,6 +494,27 @@ struct HttpServer::Impl {
   }
 };
 
+void check_can_bind(const std::string& host, int port) {
+  if (port == 0) return;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  check(::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) == 0 && found,
+        bind_error(host, port));
+  bool bound = false;
+  for (addrinfo* a = found; a && !bound; a = a->ai_next) {
+    const int sock = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (sock < 0) continue;
+    reuse_address(sock);
+    bound = ::bind(sock, a->ai_addr, a->ai_addrlen) == 0;
+    ::close(sock);
+  }
+  ::freeaddrinfo(found);
+  check(bound, bind_error(host, port));
+}
+
 HttpServer::HttpServer(ServingEngine& engine, const ServerOptions& opts) {
   auto api = std::make_unique<ServingEngineApi>(engine);
   EngineApi& ref = *api;
@@ -494,8 +530,7 @@ void HttpServer::run(const std::function<void(int)>& on_listening) {
     port = impl_->svr.bind_to_any_port(impl_->opts.host);
     check(port > 0, "cannot bind to ", impl_->opts.host, " (any port)");
   } else {
-    check(impl_->svr.bind_to_port(impl_->opts.host, port), "cannot bind to ", impl_->opts.host, ":", port,
-          " (in use, or not an address of this machine)");
+    check(impl_->svr.bind_to_port(impl_->opts.host, port), bind_error(impl_->opts.host, port));
   }
   // cpp-httplib listens with a backlog of 5. A burst of clients connecting at once (a benchmark's
   // 32) overflows it before the accepting thread drains it, and the kernel drops their handshakes,

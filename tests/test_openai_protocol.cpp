@@ -280,6 +280,33 @@ TEST_F(Server, ASecondServerOnThePortFailsToStart) {
   EXPECT_EQ(r->status, 200);
 }
 
+// Connections that a client keeps open hold no thread that a new connection needs: with 300
+// idle connections open (more than a fixed pool's threads), /health still answers at once.
+TEST_F(Server, IdleConnectionsDoNotKeepOthersWaiting) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the server has taken them all
+  httplib::Client probe("127.0.0.1", port);
+  probe.set_connection_timeout(5, 0);
+  probe.set_read_timeout(5, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = probe.Get("/health");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int fd : idle) ::close(fd);
+  ASSERT_TRUE(r) << "no answer in 5 s";
+  EXPECT_EQ(r->status, 200);
+  EXPECT_LT(s, 2.0);
+}
+
 TEST_F(Server, EndsMapToStopAndLength) {
   for (auto [reason, text] : {std::pair{FinishReason::Eos, "stop"}, std::pair{FinishReason::Length, "length"},
                               std::pair{FinishReason::Context, "length"}}) {

@@ -21,6 +21,7 @@
 #include "engine/sampling.h"
 #include "formats/chat_template.h"
 #include "formats/model_config.h"
+#include "server/connection_threads.h"
 #include "server/metrics.h"
 #include "server/openai_protocol.h"
 #include "server/reasoning.h"
@@ -252,7 +253,7 @@ struct HttpServer::Impl {
       listen_socket = sock;
     });
     const int n_threads = opts.n_threads;
-    svr.new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
+    svr.new_task_queue = [n_threads] { return new ConnectionThreads(static_cast<size_t>(n_threads)); };
     svr.set_error_handler([this](const httplib::Request&, httplib::Response& res) {
       if (!res.body.empty()) return;
       if (res.status == 413) {

@@ -21,7 +21,7 @@ struct ServerOptions {
   std::string model_name;           // what /v1/models lists and requests must name
   std::string tokenizer_dir;        // tokenizer.json and the chat template
   std::string chat_template_file;   // non-empty: this template instead of the directory's
-  int n_threads = 128;              // connections served at once
+  int n_threads = 4096;             // connections served at once (a thread each, started as they come)
   size_t max_body_bytes = 4u << 20;  // larger bodies get 413
   int read_timeout_s = 20;          // a client that stops sending is dropped
   std::string tool_call_parser = "auto";  // auto | hermes | llama3_json | none (auto: from the chat template)

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
@@ -209,7 +210,7 @@ struct Server : ::testing::Test {
   }
   void TearDown() override {
     server->stop();
-    thread.join();
+    if (thread.joinable()) thread.join();
   }
   httplib::Result post(const json& body, bool chat = false) {
     return client->Post(chat ? "/v1/chat/completions" : "/v1/completions", body.dump(), "application/json");
@@ -305,6 +306,55 @@ TEST_F(Server, IdleConnectionsDoNotKeepOthersWaiting) {
   ASSERT_TRUE(r) << "no answer in 5 s";
   EXPECT_EQ(r->status, 200);
   EXPECT_LT(s, 2.0);
+}
+
+// A stopping server does not wait for a kept-alive connection's next request (up to the 75 s
+// keep-alive timeout): run() returns at once.
+TEST_F(Server, StopsAtOnceWithAKeptAliveConnectionOpen) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);
+  const std::string get = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  ASSERT_EQ(::write(fd, get.data(), get.size()), static_cast<ssize_t>(get.size()));
+  char buf[512];
+  const ssize_t n = ::read(fd, buf, sizeof buf);  // the answer; the connection stays open
+  ASSERT_GT(n, 0);
+  EXPECT_EQ(std::string(buf, static_cast<size_t>(n)).rfind("HTTP/1.1 200", 0), 0u);
+  const auto t0 = std::chrono::steady_clock::now();
+  server->stop();
+  thread.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ::close(fd);
+  EXPECT_LT(s, 3.0);
+}
+
+// A stopping server lets a stream in flight finish, then ends its kept-alive connection.
+TEST_F(Server, StoppingLetsAStreamInFlightFinish) {
+  engine.script = {{0, tokens(hello)}, {1500, finished(FinishReason::Length)}};
+  httplib::Client keep("127.0.0.1", port);
+  keep.set_keep_alive(true);
+  keep.set_read_timeout(30, 0);
+  std::optional<httplib::Result> r;
+  std::thread request([&] {
+    r.emplace(keep.Post("/v1/completions", json{{"prompt", "hi"}, {"stream", true}}.dump(), "application/json"));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the stream has begun
+  const auto t0 = std::chrono::steady_clock::now();
+  server->stop();
+  thread.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  request.join();
+  ASSERT_TRUE(r && *r);
+  const httplib::Response& res = r->value();
+  EXPECT_EQ(res.status, 200);
+  EXPECT_NE(res.body.find(R"("finish_reason":"length")"), std::string::npos) << res.body;
+  EXPECT_NE(res.body.find("data: [DONE]"), std::string::npos) << res.body;
+  EXPECT_GT(s, 0.8);  // it waited for the stream
+  EXPECT_LT(s, 4.0);  // and not for the connection's keep-alive timeout
 }
 
 TEST_F(Server, EndsMapToStopAndLength) {

@@ -1,6 +1,10 @@
 // `dflash serve`: the OpenAI-compatible server over the serving engine.
+#include <unistd.h>
+
+#include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -17,7 +21,13 @@ namespace dflash::cli {
 
 namespace {
 server::HttpServer* g_server = nullptr;
-void on_signal(int) {
+std::atomic<bool> g_stopping{false};
+// The first SIGINT or SIGTERM stops taking connections and lets the requests in flight finish; a
+// second one exits at once.
+void on_signal(int sig) {
+  if (g_stopping.exchange(true)) std::_Exit(128 + sig);
+  static const char kMsg[] = "stopping: finishing the requests in flight (signal again to exit now)\n";
+  [[maybe_unused]] const ssize_t n = ::write(2, kMsg, sizeof kMsg - 1);
   if (g_server) g_server->stop();
 }
 }  // namespace

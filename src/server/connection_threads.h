@@ -8,6 +8,7 @@
 
 #include <httplib.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -41,6 +42,10 @@ class ConnectionThreads : public httplib::TaskQueue {
     cv_.notify_one();
   }
 
+  // Called every 50 ms while shutdown() waits for the jobs: what ends the connections that are done
+  // (a job runs until its client closes the connection, or the keep-alive timeout).
+  std::function<void()> end_idle;
+
   void shutdown() override {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -48,6 +53,14 @@ class ConnectionThreads : public httplib::TaskQueue {
       stopping_ = true;
     }
     cv_.notify_all();
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (running_ == 0 && jobs_.empty()) break;
+      }
+      if (end_idle) end_idle();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
     for (std::thread& t : threads_) t.join();
   }
 
@@ -63,8 +76,11 @@ class ConnectionThreads : public httplib::TaskQueue {
         if (jobs_.empty()) return;  // stopping, nothing left
         job = std::move(jobs_.front());
         jobs_.pop_front();
+        ++running_;
       }
       job();
+      std::lock_guard<std::mutex> lk(mu_);
+      --running_;
     }
   }
 
@@ -74,6 +90,7 @@ class ConnectionThreads : public httplib::TaskQueue {
   std::deque<std::function<void()>> jobs_;
   std::vector<std::thread> threads_;  // grows under mu_ until stopping_; joined by shutdown()
   size_t idle_ = 0;                   // threads waiting for a job
+  size_t running_ = 0;                // jobs being run
   bool stopping_ = false;
 };
 

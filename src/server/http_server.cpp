@@ -2,6 +2,7 @@
 
 #include <httplib.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -9,12 +10,15 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <filesystem>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -174,6 +178,42 @@ std::string bind_error(const std::string& host, int port) {
   return cat("cannot bind to ", host, ":", port, " (in use, or not an address of this machine)");
 }
 
+// A connection's client as cpp-httplib's Request names it.
+std::string peer_name(const std::string& addr, int port) { return cat(addr, " ", port); }
+
+// Once the server stops: ends the reading side of every connection accepted on `port` whose client
+// `busy` does not name. A thread that waits for a kept-alive connection's next request
+// (cpp-httplib: up to the keep-alive timeout, 75 s) then sees the end and closes it. Connections
+// with a request in flight are left alone: cpp-httplib takes a connection whose reading side has
+// ended for a client that went away, and would cut the response short. cpp-httplib does not list
+// its connections, so they are the process's sockets whose local port is `port` and that have a
+// peer.
+void end_idle_connections(int port, const std::function<bool(const std::string&)>& busy) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    int fd = -1;
+    try {
+      fd = std::stoi(entry.path().filename().string());
+    } catch (const std::exception&) {
+      continue;
+    }
+    sockaddr_storage local{}, peer{};
+    socklen_t local_len = sizeof local, peer_len = sizeof peer;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+        ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0)
+      continue;
+    const int local_port = local.ss_family == AF_INET    ? ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port)
+                           : local.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port)
+                                                         : -1;
+    if (local_port != port) continue;
+    char host[NI_MAXHOST], serv[NI_MAXSERV];
+    if (::getnameinfo(reinterpret_cast<sockaddr*>(&peer), peer_len, host, sizeof host, serv, sizeof serv,
+                      NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+      continue;
+    if (!busy(peer_name(host, std::atoi(serv)))) ::shutdown(fd, SHUT_RD);
+  }
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
@@ -190,6 +230,15 @@ struct HttpServer::Impl {
   std::mt19937_64 seed_gen{std::random_device{}()};
   std::atomic<bool> stop_requested{false};  // stop() was called (maybe before the server ran)
   int listen_socket = -1;                    // the socket bind_to_port bound last
+  int bound_port = 0;
+  // Clients with a request in flight (peer_name), from the request's routing to its logging, which
+  // comes once the response has been written.
+  std::mutex busy_mu;
+  std::multiset<std::string> busy_peers;
+  bool busy(const std::string& peer) {
+    std::lock_guard<std::mutex> lk(busy_mu);
+    return busy_peers.count(peer) > 0;
+  }
   // A fresh seed for a sampled request that names none.
   uint64_t seeds() {
     std::lock_guard<std::mutex> lk(seed_mu);
@@ -253,7 +302,23 @@ struct HttpServer::Impl {
       listen_socket = sock;
     });
     const int n_threads = opts.n_threads;
-    svr.new_task_queue = [n_threads] { return new ConnectionThreads(static_cast<size_t>(n_threads)); };
+    svr.new_task_queue = [this, n_threads] {
+      auto* threads = new ConnectionThreads(static_cast<size_t>(n_threads));
+      threads->end_idle = [this] {
+        end_idle_connections(bound_port, [this](const std::string& peer) { return busy(peer); });
+      };
+      return threads;
+    };
+    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response&) {
+      std::lock_guard<std::mutex> lk(busy_mu);
+      busy_peers.insert(peer_name(req.remote_addr, req.remote_port));
+      return httplib::Server::HandlerResponse::Unhandled;
+    });
+    svr.set_logger([this](const httplib::Request& req, const httplib::Response&) {
+      std::lock_guard<std::mutex> lk(busy_mu);
+      auto it = busy_peers.find(peer_name(req.remote_addr, req.remote_port));
+      if (it != busy_peers.end()) busy_peers.erase(it);
+    });
     svr.set_error_handler([this](const httplib::Request&, httplib::Response& res) {
       if (!res.body.empty()) return;
       if (res.status == 413) {
@@ -538,6 +603,7 @@ void HttpServer::run(const std::function<void(int)>& on_listening) {
   // which clients repeat only after a second: those requests started a second late
   // (bench/results/serving_h200x2_qwen3-8b-shape_tp1_listen_backlog.txt). The bound socket listens
   // again with the system's largest backlog.
+  impl_->bound_port = port;
   check(::listen(impl_->listen_socket, SOMAXCONN) == 0, "cannot listen on ", impl_->opts.host, ":", port, ": ",
         std::strerror(errno));
   // The first exchange of a fresh server starts its worker threads and request path: about 4 ms

@@ -479,5 +479,24 @@ TEST(Serving, IgnoreEosRunsToMaxTokens) {
   EXPECT_EQ(col.reasons[id], FinishReason::Length);
 }
 
+// The default rows a step: 2048, or twice a full decoding step (sequences x block) when that is
+// more, so that prompts still get rows while every sequence decodes; a given value stays.
+TEST(Serving, StepRowsLeavePromptsRoomBesideAFullDecodingStep) {
+  const Pair pair = trained_pair();
+  ServingOptions so;
+  so.engine.model_dir = pair.target;
+  so.engine.draft_dir = pair.draft;
+  so.kv_pages = 64;
+  const int block = ServingEngine(so).block_size();
+  ASSERT_GT(block, 1);
+  EXPECT_EQ(ServingEngine(so).max_tokens_per_step(), 2048);  // 32 sequences
+  so.max_num_seqs = 200;
+  EXPECT_EQ(ServingEngine(so).max_tokens_per_step(), 2 * 200 * block);
+  so.mode = SpeculativeMode::None;
+  EXPECT_EQ(ServingEngine(so).max_tokens_per_step(), 2048);  // 200 rows
+  so.max_tokens_per_step = 100;
+  EXPECT_EQ(ServingEngine(so).max_tokens_per_step(), 100);
+}
+
 }  // namespace
 }  // namespace dflash

@@ -64,7 +64,8 @@ Command add_serve(CLI::App& app) {
                  "hybrid targets (Qwen3.5, Qwen3-Next): recurrent states kept at page ends for the prefix cache "
                  "(default: a quarter of --max-num-seqs, at least 1; 0 turns their prefix cache off)")
       ->check(CLI::Range(0, 1 << 16));
-  app.add_option("--max-tokens-per-step", a->so.max_tokens_per_step, "rows per target forward (prefill chunking)")
+  app.add_option("--max-tokens-per-step", a->so.max_tokens_per_step, "rows per target forward, prefill chunks and decoding rows together (default: 2048, or twice "
+                 "max-num-seqs x block when that is more)")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--page-size", a->page_size, "KV-cache page size in tokens")->check(CLI::Range(1, 4096));
   app.add_option("--block-size", a->block_size, "DFlash block size (default: the draft's)");
@@ -114,9 +115,11 @@ Command add_serve(CLI::App& app) {
                                                      : "";
     std::printf("dflash serve: model %s%s%s on %s%s\n", a->model.c_str(), engine.speculative() ? ", DFlash draft " : "",
                 engine.speculative() ? so.engine.draft_dir.c_str() : "", engine.backend_name().c_str(), ranks.c_str());
-    std::printf("memory plan: %d KV pages of %d tokens (%s), %lld bytes of KV cache; up to %d sequences, block %d\n",
+    std::printf("memory plan: %d KV pages of %d tokens (%s), %lld bytes of KV cache; up to %d sequences, block %d, "
+                "%d rows a step\n",
                 st.kv_pages_total, a->page_size, engine.speculative() ? "target and draft" : "target",
-                static_cast<long long>(engine.kv_cache_bytes()), engine.max_num_seqs(), engine.block_size());
+                static_cast<long long>(engine.kv_cache_bytes()), engine.max_num_seqs(), engine.block_size(),
+                engine.max_tokens_per_step());
     const SamplingParams ds = default_sampling(load_generation_config(a->model));
     if (ds.greedy()) std::printf("default decoding: greedy (generation_config.json)\n");
     else std::printf("default decoding: temperature %g, top_k %d, top_p %g (generation_config.json); DFlash "

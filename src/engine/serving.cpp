@@ -72,12 +72,17 @@ struct ServingEngine::Impl {
     check(o.mode == SpeculativeMode::None || m.draft, "DFlash serving needs a draft model (--draft)");
     spec = o.mode == SpeculativeMode::DFlash;
     n_pages = plan_pages(o, m, spec);
+    // DFlash steps take `block` rows a sequence: 128 sequences of 16 filled 2048 rows, and prompts
+    // that came last waited for sequences to end (H100, 8B shape, 128 clients at once: largest
+    // time to first token 4.5 s at 2048 rows, 0.65 s at 4096;
+    // bench/results/serving_gpu_h100_qwen3-8b-shape_step_rows_c128.txt).
+    if (opts.max_tokens_per_step <= 0) opts.max_tokens_per_step = std::max(2048, 2 * o.max_num_seqs * block_size());
     LoopOptions lo;
     lo.speculative = spec;
     lo.spec_sampling = o.spec_sampling;
     lo.n_pages = n_pages;
     lo.max_num_seqs = o.max_num_seqs;
-    lo.max_tokens_per_step = o.max_tokens_per_step;
+    lo.max_tokens_per_step = opts.max_tokens_per_step;
     lo.graphs = o.engine.graphs;
     lo.state_snapshots = plan_snapshots(o, m);
     loop = std::make_unique<DecodeLoop>(m, lo);
@@ -224,6 +229,7 @@ int ServingEngine::block_size() const { return impl_->spec ? impl_->m.block_size
 bool ServingEngine::speculative() const { return impl_->spec; }
 const std::string& ServingEngine::backend_name() const { return impl_->backend_name; }
 int ServingEngine::max_num_seqs() const { return impl_->opts.max_num_seqs; }
+int ServingEngine::max_tokens_per_step() const { return impl_->opts.max_tokens_per_step; }
 int64_t ServingEngine::kv_cache_bytes() const { return impl_->loop->kv_cache_bytes(); }
 
 }  // namespace dflash

@@ -23,7 +23,9 @@ struct ServingOptions {
   SpecSampling spec_sampling = SpecSampling::Match;  // how sampled requests verify drafts
   int max_num_seqs = 32;          // sequences decoded together
   int kv_pages = 0;               // KV pages per cache (target and draft); 0: enough for max_num_seqs full contexts, capped
-  int max_tokens_per_step = 2048; // rows per target forward (prefill chunks + decode/verify rows)
+  // Rows per target forward (prefill chunks + decode/verify rows). 0: 2048, or twice a full decoding
+  // step (max_num_seqs x block) when that is more, so that prompts still get rows beside it.
+  int max_tokens_per_step = 0;
   double gpu_memory_fraction = 0; // > 0: size kv_pages to this fraction of the device memory free after loading
   int state_snapshots = -1;       // hybrid targets: recurrent states kept for the prefix cache (-1: max_num_seqs / 4, at least 1; 0: none)
 };
@@ -84,6 +86,7 @@ class ServingEngine {
   bool speculative() const;
   const std::string& backend_name() const;
   int max_num_seqs() const;
+  int max_tokens_per_step() const;
   int64_t kv_cache_bytes() const;  // both caches
 
  private:

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Serving sweep: starts `dflash serve` twice (baseline --speculative none, and
 DFlash), sends a prompt set at each concurrency with streaming requests, and
-prints concurrency x {baseline, dflash} x {output tok/s, TTFT, TPOT, tau,
-speedup}, like SGLang's DFlash sweep; --json writes the rows with settings.
+prints concurrency x {baseline, dflash} x {output tok/s, TTFT (mean, largest),
+TPOT, tau, speedup}, like SGLang's DFlash sweep; --json writes the rows with
+settings, each request's start / first token / end, and the server's counters
+over each sweep.
 Python's standard library only, so it runs wherever dflash runs.
 
 Usage:

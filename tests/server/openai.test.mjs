@@ -2,7 +2,8 @@
 // official OpenAI Node SDK as the client: greedy and seeded sampled responses
 // equal `dflash generate`, streaming equals non-streaming, 32 concurrent streaming
 // clients get their sequential outputs, bad input (deep nesting and unknown
-// roles included) gets a clear 4xx while the server keeps serving, and a client that disconnects frees its KV pages.
+// roles included) gets a clear 4xx while the server keeps serving, a client that disconnects frees its KV pages,
+// and SIGTERM ends the server promptly with a kept-alive connection open (a second one at once mid-stream).
 //
 // Run: DFLASH_BINARY=build/dflash node --test tests/server/
 import { test, before, after } from 'node:test';
@@ -299,4 +300,40 @@ test('--api-key requires Authorization: Bearer', async () => {
   } finally {
     secured.proc.kill('SIGTERM');
   }
+});
+
+test('SIGTERM: an open kept-alive connection does not hold the exit; a second signal exits at once', async () => {
+  const exited = (proc) => new Promise((resolve) => proc.on('exit', (code, signal) => resolve({ code, signal })));
+  // A raw kept-alive connection that has had its answer and stays open.
+  const keptAlive = async (url) => {
+    const { port } = new URL(url);
+    const sock = net.connect(Number(port), '127.0.0.1');
+    await new Promise((resolve) => sock.once('connect', resolve));
+    const answered = new Promise((resolve) => sock.once('data', resolve));
+    sock.write('GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n');
+    assert.match(String(await answered), /^HTTP\/1\.1 200/);
+    return sock;
+  };
+  const idle = await startServer(['--speculative', 'none', '--max-num-seqs', '2']);
+  const sock = await keptAlive(idle.url);
+  const done = exited(idle.proc);
+  const t0 = Date.now();
+  idle.proc.kill('SIGTERM');
+  const first = await done;
+  assert.equal(first.code, 0);
+  assert.ok(Date.now() - t0 < 5000, `exit took ${Date.now() - t0} ms`);
+  sock.destroy();
+
+  // A stream in flight is waited for after one signal; a second one ends the server at once.
+  const busy = await startServer(['--speculative', 'none', '--max-num-seqs', '2']);
+  const c = new OpenAI({ baseURL: `${busy.url}/v1`, apiKey: 'unused', maxRetries: 0 });
+  const stream = await c.completions.create({ model: MODEL, prompt: PROMPTS[0], max_tokens: 2000, ignore_eos: true, stream: true });
+  const it = stream[Symbol.asyncIterator]();
+  await it.next();  // generating
+  const gone = exited(busy.proc);
+  busy.proc.kill('SIGTERM');
+  await new Promise((r) => setTimeout(r, 300));
+  busy.proc.kill('SIGTERM');
+  const second = await gone;
+  assert.equal(second.code, 128 + 15);
 });

@@ -29,6 +29,7 @@
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
 #include "server/reasoning.h"
+#include "server/server_sockets.h"
 #include "server/tool_calls.h"
 #include "tokenizer/tokenizer.h"
 
@@ -216,6 +217,14 @@ struct Server : ::testing::Test {
     return client->Post(chat ? "/v1/chat/completions" : "/v1/completions", body.dump(), "application/json");
   }
   std::string metrics() { return client->Get("/metrics")->body; }
+  // The server's address, for raw sockets.
+  sockaddr_in address() const {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    return a;
+  }
 };
 
 // A burst of clients connecting at once: every handshake completes at once, whether or not the
@@ -223,10 +232,7 @@ struct Server : ::testing::Test {
 // which a client repeats only after a second).
 TEST_F(Server, ABurstOfConnectionsIsAcceptedAtOnce) {
   constexpr int kClients = 256;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const sockaddr_in addr = address();
   std::vector<pollfd> socks;
   for (int i = 0; i < kClients; ++i) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
@@ -284,10 +290,7 @@ TEST_F(Server, ASecondServerOnThePortFailsToStart) {
 // Connections that a client keeps open hold no thread that a new connection needs: with 300
 // idle connections open (more than a fixed pool's threads), /health still answers at once.
 TEST_F(Server, IdleConnectionsDoNotKeepOthersWaiting) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const sockaddr_in addr = address();
   std::vector<int> idle;
   for (int i = 0; i < 300; ++i) {
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -311,10 +314,7 @@ TEST_F(Server, IdleConnectionsDoNotKeepOthersWaiting) {
 // A stopping server does not wait for a kept-alive connection's next request (up to the 75 s
 // keep-alive timeout): run() returns at once.
 TEST_F(Server, StopsAtOnceWithAKeptAliveConnectionOpen) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const sockaddr_in addr = address();
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0) << std::strerror(errno);

@@ -15,6 +15,7 @@
 #include "engine/serving.h"
 #include "formats/model_config.h"
 #include "server/http_server.h"
+#include "server/server_sockets.h"
 #include "util/error.h"
 
 namespace dflash::cli {

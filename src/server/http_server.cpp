@@ -1,21 +1,16 @@
 #include "server/http_server.h"
 
 #include <httplib.h>
-#include <netdb.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <exception>
-#include <filesystem>
 #include <mutex>
 #include <random>
 #include <set>
@@ -29,6 +24,7 @@
 #include "server/metrics.h"
 #include "server/openai_protocol.h"
 #include "server/reasoning.h"
+#include "server/server_sockets.h"
 #include "server/openai_response.h"
 #include "server/tokenize.h"
 #include "server/text_stream.h"
@@ -165,54 +161,6 @@ constexpr double kHoldStatusMaxS = 30;
 // A non-streaming response also holds it for its first heartbeat interval:
 // short generations get their final status (200 or 500) and a plain body.
 constexpr double kHeartbeatS = 1;
-
-// SO_REUSEADDR, so that a restarted server binds while its old connections wait out TIME_WAIT.
-// Not cpp-httplib's default SO_REUSEPORT: with it a second server on the same port starts too,
-// and the kernel spreads connections over both.
-void reuse_address(int sock) {
-  const int yes = 1;
-  ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-}
-
-std::string bind_error(const std::string& host, int port) {
-  return cat("cannot bind to ", host, ":", port, " (in use, or not an address of this machine)");
-}
-
-// A connection's client as cpp-httplib's Request names it.
-std::string peer_name(const std::string& addr, int port) { return cat(addr, " ", port); }
-
-// Once the server stops: ends the reading side of every connection accepted on `port` whose client
-// `busy` does not name. A thread that waits for a kept-alive connection's next request
-// (cpp-httplib: up to the keep-alive timeout, 75 s) then sees the end and closes it. Connections
-// with a request in flight are left alone: cpp-httplib takes a connection whose reading side has
-// ended for a client that went away, and would cut the response short. cpp-httplib does not list
-// its connections, so they are the process's sockets whose local port is `port` and that have a
-// peer.
-void end_idle_connections(int port, const std::function<bool(const std::string&)>& busy) {
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
-    int fd = -1;
-    try {
-      fd = std::stoi(entry.path().filename().string());
-    } catch (const std::exception&) {
-      continue;
-    }
-    sockaddr_storage local{}, peer{};
-    socklen_t local_len = sizeof local, peer_len = sizeof peer;
-    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
-        ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0)
-      continue;
-    const int local_port = local.ss_family == AF_INET    ? ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port)
-                           : local.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port)
-                                                         : -1;
-    if (local_port != port) continue;
-    char host[NI_MAXHOST], serv[NI_MAXSERV];
-    if (::getnameinfo(reinterpret_cast<sockaddr*>(&peer), peer_len, host, sizeof host, serv, sizeof serv,
-                      NI_NUMERICHOST | NI_NUMERICSERV) != 0)
-      continue;
-    if (!busy(peer_name(host, std::atoi(serv)))) ::shutdown(fd, SHUT_RD);
-  }
-}
 
 }  // namespace
 
@@ -559,27 +507,6 @@ struct HttpServer::Impl {
     return completion_response(head, list, gen.usage);
   }
 };
-
-void check_can_bind(const std::string& host, int port) {
-  if (port == 0) return;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  check(::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) == 0 && found,
-        bind_error(host, port));
-  bool bound = false;
-  for (addrinfo* a = found; a && !bound; a = a->ai_next) {
-    const int sock = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-    if (sock < 0) continue;
-    reuse_address(sock);
-    bound = ::bind(sock, a->ai_addr, a->ai_addrlen) == 0;
-    ::close(sock);
-  }
-  ::freeaddrinfo(found);
-  check(bound, bind_error(host, port));
-}
 
 HttpServer::HttpServer(ServingEngine& engine, const ServerOptions& opts) {
   auto api = std::make_unique<ServingEngineApi>(engine);

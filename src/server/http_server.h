@@ -39,10 +39,6 @@ class EngineApi {
   virtual int max_positions() const = 0;
 };
 
-// Throws Error naming host:port when a server could not bind it now (port 0: any port, nothing to
-// check). `dflash serve` asks before it loads the model, which may take minutes.
-void check_can_bind(const std::string& host, int port);
-
 class HttpServer {
  public:
   HttpServer(ServingEngine& engine, const ServerOptions& opts);

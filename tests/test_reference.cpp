@@ -125,7 +125,7 @@ TEST_P(ReferenceTest, DraftBlockLogitsMatchPyTorchReference) {
     ASSERT_EQ(be_->argmax_rows(out.logits)[0], meta_["pending"].get<int>());
     ForwardBatch ctx(8);
     ctx.add_sequence(std::vector<int32_t>(n, 0), 0, pages);
-    draft.project_context(out.captured, ctx, dcache);
+    draft.project_context(out.captured, nullptr, ctx, dcache);
     std::vector<int32_t> tokens(block, draft.config().mask_token_id);
     tokens[0] = meta_["pending"].get<int>();
     ForwardBatch db(8);

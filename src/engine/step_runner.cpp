@@ -106,7 +106,7 @@ void StepRunner::forward(Step& st) {
   auto out = m_.target->forward(st.target_batch, caches_.target, spec_ ? m_.draft->config().target_layer_ids : no_capture);
   st.logits = out.logits;
   st.captured = out.captured;
-  if (st.fixed_shape && spec_) m_.draft->project_context(out.captured, st.project_batch, caches_.draft);
+  if (st.fixed_shape && spec_) m_.draft->project_context(out.captured, nullptr, st.project_batch, caches_.draft);
   Tensor argmax = st.ids.slice_rows(n_drafts, n_logits);
   m_.be->argmax_ids(st.logits, argmax);
 }
@@ -224,11 +224,7 @@ void StepRunner::postprocess(Step& st, StepCounters& c) {
     if (!r.finish && s.n_cached >= max_pos) r.finish = FinishReason::Context;
     c.generated_tokens += static_cast<int64_t>(r.tokens.size());
   }
-  if (pb.n_rows() > 0) {
-    Tensor features = m_.be->alloc(pb.n_rows(), st.captured.cols);
-    m_.be->gather_rows(st.captured, feature_rows, features);
-    m_.draft->project_context(features, pb, caches_.draft);
-  }
+  if (pb.n_rows() > 0) m_.draft->project_context(st.captured, &feature_rows, pb, caches_.draft);
   c.graph_replayed = c.graph_replayed || st.replayed;
 }
 

@@ -31,7 +31,11 @@ DraftModel::DraftModel(Backend& be, const std::string& dir, TargetModel& target,
   const ModelConfig shard = shard_config(c, tp, where);  // refused here, before any weight is read
   const TensorStore store = TensorStore::open(dir);
   const int64_t h = c.n_embd, n_ctx = static_cast<int64_t>(cfg_.target_layer_ids.size());
-  if (tp.rank == 0) w_.fc = be.upload({&store.get("fc.weight", {h, n_ctx * h})});  // rank 0 projects for all
+  // fc's output features split over the ranks when they divide (the context's columns, gathered).
+  const TensorInfo& fc = store.get("fc.weight", {h, n_ctx * h});
+  const bool split_fc = tp.sharded() && h % tp.size == 0;
+  const TensorInfo fc_rows = split_fc ? row_slice(fc, tp.rank * (h / tp.size), h / tp.size) : fc;
+  w_.fc = be.upload({&fc_rows});
   w_.hidden_norm = be.upload({&store.get("hidden_norm.weight", {h})});
   w_.final_norm = be.upload({&store.get("norm.weight", {h})});
   std::vector<TensorInfo> qkv;
@@ -66,32 +70,41 @@ KvCache DraftModel::alloc_cache(int n_pages, int page_size) {
       [&](int r) { return r == 0 ? own() : ranks_[static_cast<size_t>(r - 1)]->alloc_cache(n_pages, page_size); });
 }
 
-void DraftModel::project_context(const Tensor& features, const ForwardBatch& batch, KvCache& cache) {
-  const ModelConfig& c = cfg_.layers;
-  const int64_t n = batch.n_rows();
-  check(features.rows == n && features.cols == w_.fc.cols, "draft context: features shape mismatch");
-  if (n == 0) return;
-  Tensor projected = be_.alloc(n, c.n_embd);
-  Tensor ctx = be_.alloc(n, c.n_embd);
-  be_.matmul(features, w_.fc, nullptr, projected);
-  be_.rms_norm(projected, w_.hidden_norm, c.rms_norm_eps, ctx);
-  if (ranks_.empty()) return project_own(ctx, batch, cache);
+void DraftModel::project_context(const Tensor& captured, const std::vector<int32_t>* rows, const ForwardBatch& batch,
+                                 KvCache& cache) {
+  if (batch.n_rows() == 0) return;
+  if (ranks_.empty()) return project_own(captured, rows, batch, cache);
   check(static_cast<int>(cache.ranks.size()) == static_cast<int>(ranks_.size()),
         "a tensor-parallel draft's context needs every rank's cache (DraftModel::alloc_cache)");
   target_.rank_group()->run(
       [&](int r) {
         DraftModel& d = *ranks_[static_cast<size_t>(r - 1)];
-        Tensor own = d.be_.alloc(n, c.n_embd);
-        d.comm_->broadcast(d.be_, own);
-        d.project_own(own, batch, cache.ranks[static_cast<size_t>(r - 1)]);
+        d.project_own(d.target_.captured(), rows, batch, cache.ranks[static_cast<size_t>(r - 1)]);
       },
-      [&] {
-        comm_->broadcast(be_, ctx);
-        project_own(ctx, batch, cache);
-      });
+      [&] { project_own(captured, rows, batch, cache); });
 }
 
-void DraftModel::project_own(const Tensor& ctx, const ForwardBatch& batch, KvCache& cache) {
+void DraftModel::project_own(const Tensor& captured, const std::vector<int32_t>* rows, const ForwardBatch& batch,
+                             KvCache& cache) {
+  const ModelConfig& c = cfg_.layers;
+  const int64_t n = batch.n_rows();
+  check(captured.cols == w_.fc.cols, "draft context: the target captured ", captured.cols / c.n_embd,
+        " layers' outputs, the draft reads ", w_.fc.cols / c.n_embd);
+  Tensor features = captured;
+  if (rows) {
+    features = be_.alloc(static_cast<int64_t>(rows->size()), captured.cols);
+    be_.gather_rows(captured, *rows, features);
+  }
+  check(features.rows == n, "draft context: ", features.rows, " feature rows for ", n, " context rows");
+  Tensor projected = be_.alloc(n, c.n_embd);
+  if (w_.fc.rows == c.n_embd) be_.matmul(features, w_.fc, nullptr, projected);
+  else comm_->matmul_all_gather(be_, features, w_.fc, projected);  // the ranks' columns side by side
+  Tensor ctx = be_.alloc(n, c.n_embd);
+  be_.rms_norm(projected, w_.hidden_norm, c.rms_norm_eps, ctx);
+  write_context(ctx, batch, cache);
+}
+
+void DraftModel::write_context(const Tensor& ctx, const ForwardBatch& batch, KvCache& cache) {
   const ModelConfig& c = cfg_.layers;
   const int64_t n = batch.n_rows(), q_dim = int64_t{c.n_heads} * c.head_dim, kv_dim = int64_t{c.n_kv_heads} * c.head_dim;
   if (w_.layers[0].qkv_bias.empty()) {

@@ -16,7 +16,7 @@
 namespace dflash {
 
 struct DraftWeights {
-  Tensor fc;           // [n_embd, n_ctx_layers * n_embd]
+  Tensor fc;           // [n_embd, n_ctx_layers * n_embd]; tensor parallelism: the rank's rows of it
   Tensor hidden_norm;  // [1, n_embd]
   Tensor final_norm;   // [1, n_embd]  norm
   std::vector<LayerWeights> layers;
@@ -28,16 +28,20 @@ struct DraftWeights {
 class DraftModel {
  public:
   // Checks that the draft fits `target` (hidden size, layer ids, mask token). With a
-  // tensor-parallel target, the draft is split the same way (its heads and features; fc whole on
-  // rank 0, which broadcasts the projected context) and this object, rank 0, owns the other
-  // ranks' drafts: its forwards run on every rank (through the target's RankGroup).
+  // tensor-parallel target, the draft is split the same way (its heads and features, and fc's
+  // output features: each rank projects its own copy of the captured layers into its columns of
+  // the context, which the ranks gather) and this object, rank 0, owns the other ranks' drafts:
+  // its forwards run on every rank (through the target's RankGroup).
   DraftModel(Backend& be, const std::string& dir, TargetModel& target);
   ~DraftModel();
 
   // Context projection, once per committed token: c = hidden_norm(fc(features)),
   // then per layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c) written to `cache`
-  // at batch.kv_slots. `features` [batch rows, n_ctx_layers * n_embd].
-  void project_context(const Tensor& features, const ForwardBatch& batch, KvCache& cache);
+  // at batch.kv_slots. features: rows `rows` of `captured` (every row when rows is null), the
+  // target's captured layer outputs [rows, n_ctx_layers * n_embd] of its last forward; the
+  // other ranks of a tensor-parallel draft take the same rows of their target's copy.
+  void project_context(const Tensor& captured, const std::vector<int32_t>* rows, const ForwardBatch& batch,
+                       KvCache& cache);
 
   // Block forward: batch rows are the blocks [t_s, M, ..., M] added with
   // causal=false after each sequence's context. Their K/V go to the cache slots
@@ -55,8 +59,11 @@ class DraftModel {
  private:
   // One rank of a tensor-parallel draft (`target` being that rank's target).
   DraftModel(Backend& be, const std::string& dir, TargetModel& target, const TpRank& tp, Communicator* comm);
+  // This rank's projection of its captured rows (project_context).
+  void project_own(const Tensor& captured, const std::vector<int32_t>* rows, const ForwardBatch& batch,
+                   KvCache& cache);
   // The context's k/v rows of every layer from ctx = hidden_norm(fc(features)).
-  void project_own(const Tensor& ctx, const ForwardBatch& batch, KvCache& cache);
+  void write_context(const Tensor& ctx, const ForwardBatch& batch, KvCache& cache);
   Tensor forward_own(const ForwardBatch& batch, KvCache& cache);
 
   Backend& be_;

@@ -192,20 +192,20 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
   check(static_cast<int>(cache.ranks.size()) == tensor_parallel() - 1,
         "a tensor-parallel target's forward needs every rank's cache (TargetModel::alloc_cache)");
   Output out;
-  // The other ranks need no captured layers (rank 0's draft uses them) and compute logits only
-  // for their part of the vocabulary; token ids on rank 0's device reach theirs by broadcast.
+  // The other ranks compute logits only for their part of the vocabulary; token ids on rank 0's
+  // device reach theirs by broadcast.
   ranks_->run(
       [&](int r) {
         TargetModel& m = ranks_->model(r);
         KvCache& c = cache.ranks[static_cast<size_t>(r - 1)];
         if (!batch.device_tokens()) {
-          m.forward_own(batch, c, {}, m.vocab_split());
+          m.forward_own(batch, c, capture_layers, m.vocab_split());
           return;
         }
         ForwardBatch own = batch;
         own.from_device.ids = m.be_.alloc_ids(batch.from_device.ids.rows);
         m.comm_->broadcast(m.be_, own.from_device.ids);
-        m.forward_own(own, c, {}, m.vocab_split());
+        m.forward_own(own, c, capture_layers, m.vocab_split());
       },
       [&] {
         if (batch.device_tokens()) {
@@ -256,6 +256,7 @@ TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache&
   }
   Tensor normed = run_decoder_layers(be_, cfg_, w_.layers, inv_freq_, w_.final_norm, x, in);
   if (logits) out.logits = logits_of(normed, batch.logit_rows);
+  captured_ = out.captured;
   return out;
 }
 

@@ -45,7 +45,11 @@ class TargetModel {
   // Runs the new rows of `batch` (their K/V are written to `cache`), returns the
   // logits of batch.logit_rows and the outputs of decoder layers `capture_layers`
   // (layer j's output = residual stream after layer j = HF hidden_states[j+1]).
+  // With tensor parallelism every rank captures the same layers (their residual streams hold the
+  // same bits), and each keeps its own copy (captured()) for its share of the draft's context.
   Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
+  // This rank's captured layer outputs of its last forward (forward's Output::captured on rank 0).
+  const Tensor& captured() const { return captured_; }
   int tensor_parallel() const;
   // Rank 0 of a tensor-parallel target: the other ranks (null with one rank) and its communicator.
   RankGroup* rank_group() const { return ranks_.get(); }
@@ -94,6 +98,7 @@ class TargetModel {
   TargetWeights w_;
   std::vector<float> inv_freq_;
   std::vector<Tensor> expert_rows_;  // per layer: Backend::moe's expert_rows of the last forward
+  Tensor captured_;                  // the last forward's captured layer outputs
   std::unique_ptr<RankGroup> ranks_;  // tensor parallelism: ranks 1..; null for one rank
 };
 

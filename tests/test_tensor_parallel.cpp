@@ -142,8 +142,9 @@ TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
                                  (mode == SpeculativeMode::DFlash ? ", DFlash" : ", plain");
         EXPECT_EQ(got.tokens, want.tokens) << what;
         EXPECT_EQ(got.stats.acceptance_histogram, want.stats.acceptance_histogram) << what;
-        if (mode == SpeculativeMode::DFlash && std::string(name) == "trained_qwen3")
+        if (mode == SpeculativeMode::DFlash && std::string(name) == "trained_qwen3") {
           EXPECT_GT(want.stats.tau, 1.5) << what << ": a trained draft is accepted";
+        }
       }
     }
   }

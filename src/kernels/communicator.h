@@ -55,6 +55,10 @@ class RankDevices {
   virtual int size() const = 0;
   virtual std::unique_ptr<Backend> make_backend(int rank) = 0;  // rank >= 1
   virtual Communicator& comm(int rank) = 0;
+  // Whether the ranks' threads wait for each other's calls by spinning a while before they sleep:
+  // where a rank's thread only queues work on its device, a thread that wakes late makes every
+  // device wait for its launches in the first collective. Not where the threads compute (CPU).
+  virtual bool spin_waits() const { return false; }
   // A rank failed: ranks waiting in a collective on the host, or arriving at one, stop with an
   // error naming why.
   virtual void abort(const std::string& why) = 0;

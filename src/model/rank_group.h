@@ -54,6 +54,8 @@ class RankGroup final : public GraphPeers {
   struct PeerGraphs;  // per rank 1.., the graphs of the run calls of one rank-0 graph, in order
   enum class Phase { eager, capture, restage };
   void worker(int rank);
+  // Spins until done() holds or a while has passed (only where the devices ask for it).
+  void spin_until(const std::function<bool()>& done) const;
 
   std::string dir_;
   std::unique_ptr<RankDevices> devices_;
@@ -65,7 +67,9 @@ class RankGroup final : public GraphPeers {
   std::vector<std::exception_ptr> load_errors_;
   const std::function<void(int)>* job_ = nullptr;
   uint64_t generation_ = 0;
-  int running_ = 0;
+  // Read without the lock by threads spinning before they wait (RankDevices::spin_waits).
+  std::atomic<uint64_t> posted_{0};  // generation_
+  std::atomic<int> running_{0};
   bool stop_ = false;
   std::vector<std::exception_ptr> errors_;
   std::vector<std::thread> threads_;

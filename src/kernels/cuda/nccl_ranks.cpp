@@ -279,6 +279,7 @@ class NcclRankDevices final : public RankDevices {
     return make_cuda_backend(o);
   }
   Communicator& comm(int rank) override { return *communicators_[static_cast<size_t>(rank)]; }
+  bool spin_waits() const override { return true; }
   // The ranks never wait for each other on the host (collectives are queued on the GPUs): a
   // failure is only noted here, and reset decides.
   void abort(const std::string& why) override {

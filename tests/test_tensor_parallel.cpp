@@ -136,7 +136,7 @@ TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
       GenerateOptions go;
       go.max_tokens = 24;
       go.mode = mode;
-      for (size_t i = 0; i < 4; ++i) {
+      for (size_t i = 0; i < 5; ++i) {  // trained_qwen3's prompt 4: 34 context rows at once
         const auto got = two.generate(prompts[i], go), want = one.generate(prompts[i], go);
         const std::string what = std::string(name) + ", prompt " + std::to_string(i) +
                                  (mode == SpeculativeMode::DFlash ? ", DFlash" : ", plain");

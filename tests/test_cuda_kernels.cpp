@@ -5,6 +5,8 @@
 // Bound: ||gpu - cpu|| / ||cpu|| <= 1e-2 (bf16 activations). Skipped without a GPU.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -592,6 +594,53 @@ TEST_F(CudaOps, ArgmaxIsExactWithTiesToTheLowestIndex) {
     if (cols > 3) {
       EXPECT_EQ(gpu->argmax_rows(x.g.slice_cols(3, cols - 3)), cpu->argmax_rows(x.c.slice_cols(3, cols - 3)))
           << "cols=" << cols << " from column 3";
+    }
+  }
+}
+
+// The argmax of rows split by columns (a vocabulary split over ranks): each part's candidates,
+// chosen from side by side, give the argmax of the whole rows on either backend, with ties across
+// the parts going to the lower id and rows without a value (-inf, NaN) to 0 as argmax_ids does.
+TEST_F(CudaOps, ArgmaxCandidatesOfPartsGiveTheWholeRowsArgmax) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t cols : {6, 4098, 151936}) {
+    const int64_t rows = 9;
+    auto x = random(rows, cols);
+    std::vector<float> host = x.host;
+    const int64_t half = cols / 2;
+    host[2 * cols + 1] = host[2 * cols + half + 1] = 100.0f;  // row 2: a tie across the parts
+    host[3 * cols + half + 2] = 100.0f;                       // row 3: the second part's
+    for (int64_t c = 0; c < cols; ++c) host[4 * cols + c] = 0.5f;   // row 4: constant
+    for (int64_t c = 0; c < cols; ++c) host[5 * cols + c] = -inf;   // row 5: no value
+    for (int64_t c = 0; c < half; ++c) host[6 * cols + c] = nan;    // row 6: the first part NaN
+    host[6 * cols + half + 1] = 50.0f;
+    for (Backend* be : {cpu.get(), gpu.get()}) {
+      Tensor t = be->upload_host(host.data(), rows, cols);
+      Tensor whole = be->alloc_ids(rows), ids = be->alloc_ids(rows);
+      be->argmax_ids(t, whole);
+      std::vector<float> side_by_side(static_cast<size_t>(rows * 4));  // row r: part 0's pair, part 1's
+      for (int p = 0; p < 2; ++p) {
+        Tensor cand = be->alloc_f32(rows, 2);
+        be->argmax_candidates(t.slice_cols(p * half, half), p * half, cand);
+        const std::vector<float> c = be->to_host(cand);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < 2; ++j) side_by_side[static_cast<size_t>(4 * r + 2 * p + j)] = c[static_cast<size_t>(2 * r + j)];
+      }
+      Tensor all = be->upload_host_f32(side_by_side.data(), rows, 4);
+      be->argmax_of_candidates(all, ids);
+      std::vector<int32_t> got = be->ids_to_host(ids), want = be->ids_to_host(whole);
+      // The CPU's order among NaNs is std::max_element's (argmax_rows): its rows 0-5 are compared.
+      const int64_t checked = be == cpu.get() ? 6 : rows;
+      got.resize(checked);
+      want.resize(checked);
+      EXPECT_EQ(got, want) << be->name() << ", cols=" << cols;
+      EXPECT_EQ(got[2], 1) << be->name();
+      EXPECT_EQ(got[3], half + 2) << be->name();
+      EXPECT_EQ(got[4], 0) << be->name();
+      EXPECT_EQ(got[5], 0) << be->name();
+      if (be == gpu.get()) {
+        EXPECT_EQ(got[6], half + 1);
+      }
     }
   }
 }

@@ -5,9 +5,11 @@
 // (scripts/device-test.sh STEPS=tp on a two-GPU kind).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -166,9 +168,12 @@ TEST_F(CudaTensorParallel, ServingWithGraphsOverTwoGpusEqualsGenerateOpByOp) {
 // the float32 sum of the two bf16 values rounded once, the same on both ranks. Gathers: each row
 // holds the ranks' rows side by side, in rank order. Broadcasts: rank 0's tensor, also in runs of
 // broadcasts with nothing else between them (rank 0 then waits for nobody's data, only for the
-// other rank to have finished the call that last used the inbox half).
+// other rank to have finished the call that last used the inbox half). Argmax (a vocabulary
+// split's, Communicator::argmax_all of each rank's Backend::argmax_candidates): every rank gets
+// the argmax of the whole rows, the lower id on ties (ties across the ranks included; "f32" marks
+// cases of few distinct values), 0 for rows with no value (-inf or NaN everywhere).
 TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
-  enum Kind { kSum, kGather, kBroadcast };
+  enum Kind { kSum, kGather, kBroadcast, kArgmax };
   struct Case {
     Kind kind;
     int64_t rows, cols;
@@ -193,6 +198,10 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
     cases.push_back({kBroadcast, 16, 1000, true});
     cases.push_back({kSum, 16, 4096, false});
   }
+  for (int i = 0; i < 4; ++i)
+    for (const Case& k : std::vector<Case>{{kArgmax, 16, 75968, false}, {kArgmax, 15, 75968, true},
+                                           {kArgmax, 1, 75968, false}, {kArgmax, 5, 1000, true}, {kSum, 1, 4096, false}})
+      cases.push_back(k);
 
   auto be0 = make_cuda_backend();
   std::unique_ptr<RankDevices> devices = make_cuda_rank_devices(*be0, 2);
@@ -204,9 +213,26 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
       std::uniform_real_distribution<float> u(-4.0f, 4.0f);
       std::vector<float> x(static_cast<size_t>(k.rows * k.cols));
       for (float& v : x) v = u(rng);
+      Communicator& comm = devices->comm(r);
+      if (k.kind == kArgmax) {
+        std::uniform_int_distribution<int> few(-3, 3);
+        if (k.f32) for (float& v : x) v = static_cast<float>(few(rng));
+        const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+        if (k.rows > 2) {
+          std::fill(x.begin() + k.cols, x.begin() + 2 * k.cols, -inf);                    // row 1: no value
+          std::fill(x.begin() + 2 * k.cols, x.begin() + 3 * k.cols, r == 0 ? nan : -inf);  // row 2: none
+        }
+        Tensor t = be.upload_host(x.data(), k.rows, k.cols);  // bf16: the logits' type
+        inputs[r].push_back(be.to_host(t));
+        Tensor cand = be.alloc_f32(k.rows, 2), ids = be.alloc_ids(k.rows);
+        be.argmax_candidates(t, r * k.cols, cand);
+        comm.argmax_all(be, cand, ids);
+        const std::vector<int32_t> got = be.ids_to_host(ids);
+        outputs[r].emplace_back(got.begin(), got.end());
+        continue;
+      }
       Tensor t = k.f32 ? be.upload_host_f32(x.data(), k.rows, k.cols) : be.upload_host(x.data(), k.rows, k.cols);
       inputs[r].push_back(be.to_host(t));
-      Communicator& comm = devices->comm(r);
       if (k.kind == kSum) {
         comm.all_reduce_sum(be, t);
         outputs[r].push_back(be.to_host(t));
@@ -233,6 +259,17 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
         want.push_back(bf16_to_f32(f32_to_bf16(inputs[0][c][i] + inputs[1][c][i])));
     } else if (k.kind == kBroadcast) {
       want = inputs[0][c];
+    } else if (k.kind == kArgmax) {  // over rank 0's row, then rank 1's
+      for (int64_t i = 0; i < k.rows; ++i) {
+        float best = -std::numeric_limits<float>::max();
+        int64_t best_i = -1;
+        for (int r = 0; r < 2; ++r)
+          for (int64_t j = 0; j < k.cols; ++j) {
+            const float v = inputs[r][c][static_cast<size_t>(i * k.cols + j)];
+            if (v > best || (v == best && best_i < 0)) best = v, best_i = r * k.cols + j;
+          }
+        want.push_back(static_cast<float>(best_i < 0 ? 0 : best_i));
+      }
     } else {  // row i: rank 0's row i, then rank 1's
       for (int64_t i = 0; i < k.rows; ++i)
         for (int r = 0; r < 2; ++r)

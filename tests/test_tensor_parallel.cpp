@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -40,8 +41,9 @@ std::vector<float> prefill_and_decode(Backend& be, TargetModel& m) {
   return out;
 }
 
-// The logits of every rank of a group of `size` over target `dir`.
-std::vector<std::vector<float>> sharded_logits(const std::string& dir, int size) {
+// What run(backend, model) gives on every rank of a group of `size` over target `dir`.
+std::vector<std::vector<float>> on_ranks(const std::string& dir, int size,
+                                         const std::function<std::vector<float>(Backend&, TargetModel&)>& run) {
   HostGroup group(size);
   std::vector<std::vector<float>> logits(static_cast<size_t>(size));
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
@@ -52,7 +54,7 @@ std::vector<std::vector<float>> sharded_logits(const std::string& dir, int size)
         auto be = make_cpu_backend();
         HostCommunicator comm(group, r);
         TargetModel m(*be, dir, {r, size}, &comm);
-        logits[static_cast<size_t>(r)] = prefill_and_decode(*be, m);
+        logits[static_cast<size_t>(r)] = run(*be, m);
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = std::current_exception();
         group.abort(e.what());
@@ -78,12 +80,46 @@ TEST(TensorParallel, EveryRankGivesTheWholeModelsLogits) {
     auto be = make_cpu_backend();
     TargetModel whole(*be, dir);
     const std::vector<float> want = prefill_and_decode(*be, whole);
-    const auto got = sharded_logits(dir, c.size);
+    const auto got = on_ranks(dir, c.size, prefill_and_decode);
     const double err = test::max_rel_error(got[0], want);
     std::printf("[%s] %d ranks: max rel error %.2e vs one\n", c.target, c.size, err);
     EXPECT_LT(err, 1e-5) << c.target << ", " << c.size << " ranks";
     for (int r = 1; r < c.size; ++r)
       EXPECT_EQ(got[static_cast<size_t>(r)], got[0]) << c.target << ": rank " << r << " differs from rank 0";
+  }
+}
+
+// A forward that gives the argmax alone (TargetModel::forward's argmax) over a split vocabulary:
+// the ids of argmax_rows over the gathered logits of the same forward, on rank 0 for up to 32 rows
+// (the logits gathered), on every rank for more (each rank's candidates exchanged).
+TEST(TensorParallel, TheArgmaxAloneIsTheGatheredLogitsArgmax) {
+  for (const char* target : {"qwen3_mha_untied_bf16", "qwen3_gqa_tied"}) {
+    for (int size : {2, 4}) {
+      for (int rows : {9, 40}) {
+        const auto got = on_ranks(fixture(std::string("targets/") + target), size, [&](Backend& be, TargetModel& m) {
+          std::vector<int32_t> ids(static_cast<size_t>(rows));
+          for (int i = 0; i < rows; ++i) ids[static_cast<size_t>(i)] = (37 * i + 11) % m.config().n_vocab;
+          const std::vector<int32_t> pages = {0, 1, 2};
+          ForwardBatch b(16);
+          b.add_sequence(ids, 0, pages, true, {0});
+          for (int32_t r = 0; r < b.n_rows(); ++r) b.logit_rows.push_back(r);
+          KvCache first = m.alloc_cache(3, 16), second = m.alloc_cache(3, 16);
+          const std::vector<int32_t> want = be.argmax_rows(m.forward(b, first).logits);
+          Tensor argmax = be.alloc_ids(rows);
+          const TargetModel::Output out = m.forward(b, second, {}, &argmax);
+          EXPECT_TRUE(out.logits.empty());
+          std::vector<float> result(want.begin(), want.end());  // the argmax of the logits, then the ids
+          for (int32_t id : be.ids_to_host(argmax)) result.push_back(static_cast<float>(id));
+          return result;
+        });
+        const std::string what = std::string(target) + ", " + std::to_string(size) + " ranks, " + std::to_string(rows) + " rows";
+        const std::vector<float> want(got[0].begin(), got[0].begin() + rows), ids(got[0].begin() + rows, got[0].end());
+        EXPECT_EQ(ids, want) << what;
+        if (rows > 32) {
+          for (int r = 1; r < size; ++r) EXPECT_EQ(got[static_cast<size_t>(r)], got[0]) << what << ", rank " << r;
+        }
+      }
+    }
   }
 }
 

@@ -35,6 +35,12 @@ Step StepRunner::prepare(const StepPlan& plan, bool force_fixed_shape) const {
   // drafts of sampled sequences are sampled on the host in between.
   for (const auto& d : plan.decodes)
     st.draft_on_device = st.draft_on_device && (scheme_ == SpecSampling::Match || d.seq->sampling.greedy());
+  auto argmax_alone = [](const Sequence& s) {
+    return s.sampling.greedy() && !s.sampling.processes_logits() && s.logprobs < 0;
+  };
+  st.argmax_only = true;
+  for (const auto& d : plan.decodes) st.argmax_only = st.argmax_only && argmax_alone(*d.seq);
+  for (const auto& p : plan.prefills) st.argmax_only = st.argmax_only && argmax_alone(*p.seq);
   bool whole_blocks = plan.prefills.empty() && !plan.decodes.empty();
   for (const auto& d : plan.decodes)
     whole_blocks = whole_blocks && d.n_rows == block_ && (!spec_ || d.seq->n_draft_ctx == d.seq->n_cached);
@@ -99,16 +105,17 @@ void StepRunner::forward(Step& st) {
   st.ids = m_.be->alloc_ids(n_drafts + n_logits);
   if (n_drafts > 0) {
     Tensor drafted = st.ids.slice_rows(0, n_drafts);
-    m_.be->argmax_ids(m_.draft->forward_block(st.draft_batch, caches_.draft), drafted);
+    m_.draft->forward_block_argmax(st.draft_batch, caches_.draft, drafted);
     st.target_batch.from_device = {drafted, st.device_rows};
   }
   static const std::vector<int> no_capture;
-  auto out = m_.target->forward(st.target_batch, caches_.target, spec_ ? m_.draft->config().target_layer_ids : no_capture);
+  Tensor argmax = st.ids.slice_rows(n_drafts, n_logits);
+  auto out = m_.target->forward(st.target_batch, caches_.target, spec_ ? m_.draft->config().target_layer_ids : no_capture,
+                                st.argmax_only ? &argmax : nullptr);
   st.logits = out.logits;
   st.captured = out.captured;
   if (st.fixed_shape && spec_) m_.draft->project_context(out.captured, nullptr, st.project_batch, caches_.draft);
-  Tensor argmax = st.ids.slice_rows(n_drafts, n_logits);
-  m_.be->argmax_ids(st.logits, argmax);
+  if (!st.argmax_only) m_.be->argmax_ids(st.logits, argmax);
 }
 
 void StepRunner::draft_apart(Step& st) {
@@ -141,8 +148,12 @@ void StepRunner::execute(Step& st) {
     body();
   } else {
     const int64_t replays = graphs_.replays();
-    if (st.n_device_drafts() > 0) graphs_.run(StepGraphs::shape_key("dflash", {&st.draft_batch, &st.target_batch}), body);
-    else graphs_.run(StepGraphs::shape_key(spec_ ? "verify" : "plain", {&st.target_batch}), body);
+    // The forward with logits and the one with the argmax alone are different graphs.
+    const char* kind = st.n_device_drafts() > 0 ? (st.argmax_only ? "dflash-argmax" : "dflash")
+                       : spec_                  ? (st.argmax_only ? "verify-argmax" : "verify")
+                                                : (st.argmax_only ? "plain-argmax" : "plain");
+    if (st.n_device_drafts() > 0) graphs_.run(StepGraphs::shape_key(kind, {&st.draft_batch, &st.target_batch}), body);
+    else graphs_.run(StepGraphs::shape_key(kind, {&st.target_batch}), body);
     st.replayed = graphs_.replays() > replays;
   }
   st.host_ids = m_.be->ids_to_host(st.ids);

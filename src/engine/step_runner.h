@@ -6,7 +6,8 @@
 //   execute      the device work: with DFlash, the draft forward over every
 //                decoding sequence's block [t, M, ..., M]; then one target
 //                forward over prefill chunks and decode/verify rows, the argmax
-//                of its logits rows, and one copy of the ids back;
+//                of its logits rows (without the logits where no sequence needs
+//                them), and one copy of the ids back;
 //   postprocess  acceptance per sequence, commit (rollback = not counting
 //                rejected rows as cached), the committed rows' context
 //                projected into the draft cache, the tokens each sequence emits.
@@ -62,6 +63,10 @@ struct Step {
   ForwardBatch project_batch;   // fixed-shape DFlash steps: every decode row's context
   bool fixed_shape = false;
   bool draft_on_device = true;  // drafts are the draft's argmax and reach the target on the device
+  // Every sequence takes the target's argmax (greedy, no logits processing or log-probabilities):
+  // the forward gives the argmax alone (with the vocabulary split, no logits are gathered) and
+  // logits stays empty.
+  bool argmax_only = false;
   std::vector<int32_t> device_rows;  // target rows whose tokens are drafted on the device, in draft-row order
   // Filled by execute:
   Tensor logits, captured, ids;  // ids: drafted tokens (when on the device), then the argmax of every logits row

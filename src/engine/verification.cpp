@@ -141,7 +141,11 @@ std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const 
       params.push_back(b.params);
     }
   }
-  check(!known_argmax || static_cast<int64_t>(known_argmax->size()) == logits.rows,
+  // A step whose every block takes the argmax may come without logits (StepRunner: argmax_only).
+  bool need_logits = !rows.empty() || (need_argmax && !known_argmax);
+  for (const VerifyBlock& b : blocks) need_logits = need_logits || on_host(b);
+  check(!need_logits || !logits.empty(), "internal: the step's choices need logits, and it has none");
+  check(!known_argmax || logits.empty() || static_cast<int64_t>(known_argmax->size()) == logits.rows,
         "internal: the step's argmax has ", known_argmax ? known_argmax->size() : 0, " rows, its logits ", logits.rows);
   const std::vector<int32_t> argmax =
       known_argmax ? *known_argmax : need_argmax ? be.argmax_rows(logits) : std::vector<int32_t>{};

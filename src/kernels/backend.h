@@ -383,6 +383,14 @@ class Backend {
   // ids[r] = argmax_rows(x)[r] (no synchronization: capturable); ids_to_host copies them back.
   virtual Tensor alloc_ids(int64_t n) = 0;
   virtual void argmax_ids(const Tensor& x, Tensor& ids) = 0;
+  // The argmax of rows split by columns (a vocabulary split over tensor-parallel ranks), in two
+  // halves. argmax_candidates: row r of cand (F32 [x.rows, 2]) = (the largest value of x's row r,
+  // first_id + its column) as argmax_ids picks it, or (NaN, 0) where argmax_ids would fall back to
+  // column 0 for want of a value. argmax_of_candidates: ids[r] = the id that argmax_ids of the whole
+  // row gives, from row r of `all` (F32 [rows, 2 n]: every part's candidates side by side, parts in
+  // column order). Ids are exact in float32 (below 2^24).
+  virtual void argmax_candidates(const Tensor& x, int64_t first_id, Tensor& cand) = 0;
+  virtual void argmax_of_candidates(const Tensor& all, Tensor& ids) = 0;
   virtual std::vector<int32_t> ids_to_host(const Tensor& ids) = 0;
   // Per listed row i of `logits`: select_top_candidates(row rows[i], temperature[i] (> 0),
   // top_k[i]) (kernels/top_candidates.h). Checks the arguments, then select_candidates.

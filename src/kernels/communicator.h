@@ -14,6 +14,7 @@ namespace dflash {
 class Communicator {
  public:
   virtual ~Communicator() = default;
+  virtual int size() const = 0;  // ranks in the group
   // t = the sum of every rank's t, the same bits on every rank.
   virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
   // out = the sum of every rank's x * w^T (+ bias): a product split along K, whose shares are added
@@ -38,6 +39,14 @@ class Communicator {
   // all [part.rows, size * part.cols]: row i holds row i of every rank's part side by side, rank
   // r's at columns r * part.cols (a vocabulary split's logits into whole rows).
   virtual void all_gather(Backend& be, const Tensor& part, Tensor& all) = 0;
+  // ids (I32 [rows], on every rank) = the argmax of rows split by columns over the ranks, from each
+  // rank's cand (Backend::argmax_candidates of its part, in rank order of columns). A communicator
+  // may exchange and choose in one step.
+  virtual void argmax_all(Backend& be, const Tensor& cand, Tensor& ids) {
+    Tensor all = be.alloc_f32(cand.rows, size() * cand.cols);
+    all_gather(be, cand, all);
+    be.argmax_of_candidates(all, ids);
+  }
   // all_gather of every rank's x * w^T (a product split along N). A communicator may send the
   // parts while the products run.
   virtual void matmul_all_gather(Backend& be, const Tensor& x, const Tensor& w, Tensor& all) {

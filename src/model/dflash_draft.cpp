@@ -131,17 +131,37 @@ void DraftModel::write_context(const Tensor& ctx, const ForwardBatch& batch, KvC
 
 Tensor DraftModel::forward_block(const ForwardBatch& batch, KvCache& cache) {
   if (ranks_.empty()) return forward_own(batch, cache);
-  check(!batch.device_tokens(), "a tensor-parallel draft takes its block's tokens from the host");
-  check(static_cast<int>(cache.ranks.size()) == static_cast<int>(ranks_.size()),
-        "a tensor-parallel draft's forward needs every rank's cache (DraftModel::alloc_cache)");
   Tensor logits;
-  target_.rank_group()->run(
-      [&](int r) { ranks_[static_cast<size_t>(r - 1)]->forward_own(batch, cache.ranks[static_cast<size_t>(r - 1)]); },
+  run_on_ranks(
+      batch, cache, [&](int r) { ranks_[static_cast<size_t>(r - 1)]->forward_own(batch, cache.ranks[static_cast<size_t>(r - 1)]); },
       [&] { logits = forward_own(batch, cache); });
   return logits;
 }
 
-Tensor DraftModel::forward_own(const ForwardBatch& batch, KvCache& cache) {
+void DraftModel::forward_block_argmax(const ForwardBatch& batch, KvCache& cache, Tensor& ids) {
+  if (ranks_.empty()) {
+    forward_own(batch, cache, &ids);
+    return;
+  }
+  run_on_ranks(
+      batch, cache,
+      [&](int r) {
+        DraftModel& d = *ranks_[static_cast<size_t>(r - 1)];
+        Tensor own = d.be_.alloc_ids(ids.rows);
+        d.forward_own(batch, cache.ranks[static_cast<size_t>(r - 1)], &own);
+      },
+      [&] { forward_own(batch, cache, &ids); });
+}
+
+void DraftModel::run_on_ranks(const ForwardBatch& batch, KvCache& cache, const std::function<void(int)>& on_rank,
+                              const std::function<void()>& this_rank) {
+  check(!batch.device_tokens(), "a tensor-parallel draft takes its block's tokens from the host");
+  check(static_cast<int>(cache.ranks.size()) == static_cast<int>(ranks_.size()),
+        "a tensor-parallel draft's forward needs every rank's cache (DraftModel::alloc_cache)");
+  target_.rank_group()->run(on_rank, this_rank);
+}
+
+Tensor DraftModel::forward_own(const ForwardBatch& batch, KvCache& cache, Tensor* argmax) {
   const ModelConfig& c = cfg_.layers;
   Tensor x = be_.alloc_f32(batch.n_rows(), c.n_embd);  // the residual stream, float32
   be_.embed(target_.weights().embed, batch.token_ids, x, batch.device_tokens());
@@ -152,7 +172,9 @@ Tensor DraftModel::forward_own(const ForwardBatch& batch, KvCache& cache) {
   in.cache = &cache;
   in.comm = comm_;
   Tensor normed = run_decoder_layers(be_, c, w_.layers, inv_freq_, w_.final_norm, x, in);
-  return target_.logits_of(normed, batch.logit_rows);
+  if (!argmax) return target_.logits_of(normed, batch.logit_rows);
+  target_.argmax_of(normed, batch.logit_rows, *argmax);
+  return {};
 }
 
 }  // namespace dflash

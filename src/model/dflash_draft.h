@@ -4,6 +4,7 @@
 // bidirectional attention over [cached context K/V] ++ [block K/V].
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,6 +49,9 @@ class DraftModel {
   // after the context but the caller does not count them as cached. Returns the
   // logits of batch.logit_rows through the target's lm_head.
   Tensor forward_block(const ForwardBatch& batch, KvCache& cache);
+  // The same forward with the argmax of every logits row into ids (I32 [logit rows]) instead
+  // (TargetModel::argmax_of: with the vocabulary split, no logits are gathered).
+  void forward_block_argmax(const ForwardBatch& batch, KvCache& cache, Tensor& ids);
 
   KvCache alloc_cache(int n_pages, int page_size);
   // Weight bytes a draft step reads: fc, norms, layers and the target's lm_head (this rank's).
@@ -64,7 +68,12 @@ class DraftModel {
                    KvCache& cache);
   // The context's k/v rows of every layer from ctx = hidden_norm(fc(features)).
   void write_context(const Tensor& ctx, const ForwardBatch& batch, KvCache& cache);
-  Tensor forward_own(const ForwardBatch& batch, KvCache& cache);
+  // The rank's block forward: the logits of its logits rows, or with argmax their argmax into
+  // *argmax (and an empty tensor returned).
+  Tensor forward_own(const ForwardBatch& batch, KvCache& cache, Tensor* argmax = nullptr);
+  // on_rank(r) on every other rank with this_rank() here (RankGroup::run), after checking the batch.
+  void run_on_ranks(const ForwardBatch& batch, KvCache& cache, const std::function<void(int)>& on_rank,
+                    const std::function<void()>& this_rank);
 
   Backend& be_;
   std::string dir_;

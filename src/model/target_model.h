@@ -47,7 +47,10 @@ class TargetModel {
   // (layer j's output = residual stream after layer j = HF hidden_states[j+1]).
   // With tensor parallelism every rank captures the same layers (their residual streams hold the
   // same bits), and each keeps its own copy (captured()) for its share of the draft's context.
-  Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {});
+  // argmax (I32 [logit rows]): the argmax of every logits row goes there instead (argmax_of), and
+  // Output::logits stays empty.
+  Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {},
+                 Tensor* argmax = nullptr);
   // This rank's captured layer outputs of its last forward (forward's Output::captured on rank 0).
   const Tensor& captured() const { return captured_; }
   int tensor_parallel() const;
@@ -57,6 +60,11 @@ class TargetModel {
   // Logits of `rows` of final-normed hidden states through lm_head (the draft's too): with the
   // vocabulary split, this rank's part, gathered from every rank (which all call it together).
   Tensor logits_of(const Tensor& normed, const std::vector<int32_t>& rows);
+  // ids (I32 [rows]) on rank 0 = Backend::argmax_ids of logits_of's rows (all ranks call it
+  // together). With the vocabulary split and more than 32 rows, from each rank's best over its
+  // part, exchanged and chosen (Communicator::argmax_all): no logits are gathered, and every rank
+  // gets the ids.
+  void argmax_of(const Tensor& normed, const std::vector<int32_t>& rows, Tensor& ids);
   // Sums x (rank 0's, [rows, n_embd] in the activation type) with a tensor of its shape on every
   // other rank, as each layer does twice (bench-step times it). Nothing with one rank.
   void all_reduce_rows(Tensor& x);
@@ -86,7 +94,10 @@ class TargetModel {
 
  private:
   TargetModel(Backend& be, const std::string& dir, std::unique_ptr<RankGroup> ranks);
-  Output forward_own(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers, bool logits);
+  // What a rank's forward computes from its final-normed rows.
+  enum class Head { none, logits, argmax };
+  Output forward_own(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers, Head head,
+                     Tensor* argmax = nullptr);
   KvCache alloc_own_cache(int n_pages, int page_size, int n_state_slots, int tape_rows);
   void copy_own_state_slot(KvCache& cache, int32_t from, int32_t to);
   bool vocab_split() const;
@@ -99,6 +110,8 @@ class TargetModel {
   std::vector<float> inv_freq_;
   std::vector<Tensor> expert_rows_;  // per layer: Backend::moe's expert_rows of the last forward
   Tensor captured_;                  // the last forward's captured layer outputs
+  int64_t vocab_first_ = 0;          // the first id of the rank's part of the vocabulary
+  int tp_rank_ = 0;
   std::unique_ptr<RankGroup> ranks_;  // tensor parallelism: ranks 1..; null for one rank
 };
 

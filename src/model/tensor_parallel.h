@@ -58,6 +58,7 @@ class HostGroup {
 class HostCommunicator final : public Communicator {
  public:
   HostCommunicator(HostGroup& group, int rank) : group_(group), rank_(rank) {}
+  int size() const override { return group_.size(); }
   void all_reduce_sum(Backend& be, Tensor& t) override;
   void broadcast(Backend& be, Tensor& t) override;
   void all_gather(Backend& be, const Tensor& part, Tensor& all) override;

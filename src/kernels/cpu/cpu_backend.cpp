@@ -400,6 +400,30 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < ids.rows; ++r) static_cast<int32_t*>(ids.data)[r * ids.stride] = a[r];
   }
 
+  // std::max_element's choice (argmax_rows) over the parts: a later part's best replaces the
+  // best so far only when it is larger.
+  void argmax_candidates(const Tensor& x, int64_t first_id, Tensor& cand) override {
+    check(cand.rows == x.rows && cand.cols == 2, "cpu backend: argmax_candidates needs [x.rows, 2] candidates");
+    check(first_id + x.cols <= (int64_t{1} << 24), "argmax candidates: ids beyond 2^24 are not exact in float32");
+    const std::vector<int32_t> a = argmax_rows(x);
+    for (int64_t r = 0; r < x.rows; ++r) {
+      float* c = cand.row_f32(r);
+      c[0] = x.cols > 0 ? x.row_f32(r)[a[r]] : std::nanf("");
+      c[1] = static_cast<float>(first_id + a[r]);
+    }
+  }
+  void argmax_of_candidates(const Tensor& all, Tensor& ids) override {
+    check(ids.dtype == DType::I32 && ids.rows == all.rows && all.cols % 2 == 0,
+          "cpu backend: argmax_of_candidates needs [rows, 2 n] candidates and an id per row");
+    for (int64_t r = 0; r < all.rows; ++r) {
+      const float* c = all.row_f32(r);
+      int64_t best = 0;
+      for (int64_t k = 1; k < all.cols / 2; ++k)
+        if (c[2 * best] < c[2 * k]) best = k;
+      static_cast<int32_t*>(ids.data)[r * ids.stride] = static_cast<int32_t>(c[2 * best + 1]);
+    }
+  }
+
   std::vector<int32_t> ids_to_host(const Tensor& ids) override {
     check(ids.dtype == DType::I32 && ids.cols == 1, "cpu backend: ids_to_host needs an I32 tensor of one column");
     std::vector<int32_t> out(static_cast<size_t>(ids.rows));

@@ -305,6 +305,30 @@ void CudaBackend::argmax_ids(const Tensor& x, Tensor& ids) {
   }
 }
 
+void CudaBackend::argmax_candidates(const Tensor& x, int64_t first_id, Tensor& cand) {
+  require_bf16(x, "argmax_candidates input");
+  check(cand.dtype == DType::F32 && cand.rows == x.rows && cand.cols == 2 && (cand.rows <= 1 || cand.stride == 2),
+        "cuda backend: argmax_candidates needs contiguous F32 candidates [x.rows, 2]");
+  check(first_id + x.cols <= (int64_t{1} << 24), "argmax candidates: ids beyond 2^24 are not exact in float32");
+  for (int64_t r0 = 0; r0 < x.rows; r0 += kArgmaxCap) {
+    const int64_t n = std::min<int64_t>(kArgmaxCap, x.rows - r0);
+    staging_.launch([&](cudaStream_t s) {
+      launch_argmax_candidates(mat(x.slice_rows(r0, n)), first_id, static_cast<float*>(cand.data) + 2 * r0,
+                               argmax_out_ + kArgmaxCap, s);
+    });
+  }
+}
+
+void CudaBackend::argmax_of_candidates(const Tensor& all, Tensor& ids) {
+  require_ids(ids, "argmax_of_candidates output");
+  check(all.dtype == DType::F32 && all.cols % 2 == 0 && ids.rows == all.rows,
+        "cuda backend: argmax_of_candidates needs F32 candidates [rows, 2 n] and an id per row");
+  staging_.launch([&](cudaStream_t s) {
+    launch_argmax_of_candidates(static_cast<const float*>(all.data), all.stride, all.rows,
+                                static_cast<int>(all.cols / 2), static_cast<int32_t*>(ids.data), s);
+  });
+}
+
 std::vector<int32_t> CudaBackend::ids_to_host(const Tensor& ids) {
   const cudaStream_t s = staging_.eager_stream("ids_to_host");
   require_ids(ids, "ids_to_host input");

@@ -136,6 +136,8 @@ class CudaBackend final : public Backend {
   std::vector<int32_t> argmax_rows(const Tensor& x) override;
   Tensor alloc_ids(int64_t n) override { return alloc_as(n, 1, DType::I32); }
   void argmax_ids(const Tensor& x, Tensor& ids) override;
+  void argmax_candidates(const Tensor& x, int64_t first_id, Tensor& cand) override;
+  void argmax_of_candidates(const Tensor& all, Tensor& ids) override;
   std::vector<int32_t> ids_to_host(const Tensor& ids) override;
 
  protected:

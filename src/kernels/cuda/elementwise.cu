@@ -361,8 +361,9 @@ __device__ void block_best(float& best, int64_t& best_i) {
     for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) keep_better(best, best_i, sv[w], si[w]);
 }
 
+// cand (instead of out): the row's (value, first_id + column) as float32, (NaN, 0) for no value.
 __global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, float* part_v, int64_t* part_i,
-                              unsigned* counters, int32_t* out) {
+                              unsigned* counters, int32_t* out, float* cand, int64_t first_id) {
   pdl_begin();
   const int64_t row = blockIdx.y;
   const int n_slices = gridDim.x;
@@ -413,9 +414,26 @@ __global__ void argmax_kernel(const bf16* x, int64_t stride, int64_t cols, float
     keep_better(best, best_i, __ldcg(part_v + row * n_slices + sl), __ldcg(part_i + row * n_slices + sl));
   block_best(best, best_i);
   if (threadIdx.x == 0) {
-    out[row] = static_cast<int32_t>(best_i < cols ? best_i : 0);
+    if (cand) {
+      cand[2 * row] = best_i < cols ? best : __int_as_float(0x7fffffff);
+      cand[2 * row + 1] = best_i < cols ? static_cast<float>(first_id + best_i) : 0.0f;
+    } else {
+      out[row] = static_cast<int32_t>(best_i < cols ? best_i : 0);
+    }
     counters[row] = 0;
   }
+}
+
+// ids[r] = the id of the best of row r's n_parts candidates (argmax_kernel's cand), parts in
+// order: the largest value at its lowest id, as argmax_kernel over the whole row; 0 for none.
+__global__ void argmax_of_candidates_kernel(const float* all, int64_t stride, int64_t rows, int n_parts, int32_t* ids) {
+  pdl_begin();
+  const int64_t r = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float best = -FLT_MAX;
+  int64_t best_i = INT64_MAX;
+  for (int k = 0; k < n_parts; ++k) keep_better(best, best_i, all[r * stride + 2 * k], static_cast<int64_t>(all[r * stride + 2 * k + 1]));
+  ids[r] = static_cast<int32_t>(best_i != INT64_MAX ? best_i : 0);
 }
 
 __global__ void add_bias_kernel(bf16* out, int64_t stride, int64_t cols, const bf16* bias) {
@@ -591,7 +609,23 @@ void launch_argmax(const Mat& x, int32_t* out, void* workspace, cudaStream_t s) 
   // Rows of a few thousand values need no more than one block each.
   const int slices = static_cast<int>(std::min<int64_t>(kArgmaxSlices, (x.cols + 2047) / 2048));
   launch(argmax_kernel, dim3(slices, static_cast<unsigned>(x.rows)), 256, s, x.data, x.stride, x.cols, part_v,
-         part_i, counters, out);
+         part_i, counters, out, static_cast<float*>(nullptr), int64_t{0});
+}
+
+void launch_argmax_candidates(const Mat& x, int64_t first_id, float* cand, void* workspace, cudaStream_t s) {
+  if (x.rows == 0) return;
+  auto* counters = static_cast<unsigned*>(workspace);
+  auto* part_i = reinterpret_cast<int64_t*>(counters + kArgmaxMaxRows);
+  auto* part_v = reinterpret_cast<float*>(part_i + kArgmaxMaxRows * kArgmaxSlices);
+  const int slices = static_cast<int>(std::min<int64_t>(kArgmaxSlices, (x.cols + 2047) / 2048));
+  launch(argmax_kernel, dim3(slices, static_cast<unsigned>(x.rows)), 256, s, x.data, x.stride, x.cols, part_v,
+         part_i, counters, static_cast<int32_t*>(nullptr), cand, first_id);
+}
+
+void launch_argmax_of_candidates(const float* all, int64_t stride, int64_t rows, int n_parts, int32_t* ids,
+                                 cudaStream_t s) {
+  if (rows == 0) return;
+  launch(argmax_of_candidates_kernel, static_cast<unsigned>((rows + 127) / 128), 128, s, all, stride, rows, n_parts, ids);
 }
 
 void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s) {

@@ -95,6 +95,11 @@ constexpr int kArgmaxSlices = 32;
 constexpr int64_t kArgmaxMaxRows = 4096;
 int64_t argmax_workspace_bytes();
 void launch_argmax(const Mat& x, int32_t* out, void* workspace, cudaStream_t s);
+// Backend::argmax_candidates (cand: [x.rows, 2] float32, contiguous) and argmax_of_candidates
+// (all: rows of n_parts candidate pairs, `stride` floats apart); the same workspace.
+void launch_argmax_candidates(const Mat& x, int64_t first_id, float* cand, void* workspace, cudaStream_t s);
+void launch_argmax_of_candidates(const float* all, int64_t stride, int64_t rows, int n_parts, int32_t* ids,
+                                 cudaStream_t s);
 // Per listed row i of x: the entries of select_top_candidates(row rows[i], temperature[i],
 // top_k[i]) (kernels/top_candidates.h) for 0 < top_k[i] <= kTopCandidatesMaxK and top_k[i] <
 // x.cols, ids increasing, into out[i]; count -1 where the selection does not fit (more than

@@ -134,6 +134,11 @@ class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, const cuda::PeerArgs* peer, const cuda::PeerPush* push, const std::string* stopped)
       : comm_(comm), peer_(peer), push_(push), stopped_(stopped) {}
+  int size() const override {
+    int n = 0;
+    NCCL_CHECK(ncclCommCount(comm_, &n));
+    return n;
+  }
   void all_reduce_sum(Backend& be, Tensor& t) override {
     auto& c = ready(be, t, "all-reduce");
     const int64_t n = t.rows * t.cols;
@@ -216,6 +221,20 @@ class NcclCommunicator final : public Communicator {
       Tensor cols = all.slice_cols(r * part.cols, part.cols);
       be.gather_rows(stacked.slice_rows(r * part.rows, part.rows), rows, cols);
     }
+  }
+  // The candidates exchanged and chosen in one peer kernel.
+  void argmax_all(Backend& be, const Tensor& cand, Tensor& ids) override {
+    auto& c = ready(be, cand, "argmax");
+    if (peer_ && cand.dtype == DType::F32 && cand.cols == 2 && ids.dtype == DType::I32 && ids.rows == cand.rows &&
+        cuda::peer_collective_fits(cand.data, cand.rows * 8, cuda::kPeerMaxBytes) &&
+        reinterpret_cast<uintptr_t>(ids.data) % 4 == 0) {
+      c.launch_library([&](cudaStream_t s) {
+        cuda::launch_peer_argmax(*peer_, static_cast<const float*>(cand.data), static_cast<int32_t*>(ids.data),
+                                 cand.rows, s);
+      });
+      return;
+    }
+    Communicator::argmax_all(be, cand, ids);
   }
   void broadcast(Backend& be, Tensor& t) override {
     auto& c = ready(be, t, "broadcast");

@@ -15,7 +15,12 @@ constexpr int kThreads = 512;
 constexpr int kWordsPerThread = static_cast<int>(kPeerBlockWords / kThreads);  // two 16-byte pieces of 2 words
 static_assert(kWordsPerThread == 4, "a thread moves two pieces");
 
-enum class Op { kSum, kGather, kBroadcast };
+enum class Op { kSum, kGather, kBroadcast, kArgmax };
+
+// Argmax candidates: the larger value, the lower id on ties; NaN never wins.
+__device__ __forceinline__ void keep_better(float& best, int64_t& best_i, float v, int64_t i) {
+  if (v > best || (v == best && i < best_i)) best = v, best_i = i;
+}
 
 // The piece of rank r's words [w, w + 2) for this call in rank q's inbox: r's slot there, the half
 // that the call's parity picks.
@@ -110,6 +115,19 @@ __global__ void __launch_bounds__(kThreads) peer_kernel(PeerArgs a, const uint32
           dst[row * dst_row_words + q * row_words + (at - row * row_words)] = w[i];
         }
     }
+  } else if (op == Op::kArgmax) {
+    // Each two words are a row's candidate (value, id as float32): dst[row] = the best id over the
+    // ranks in rank order (Backend::argmax_of_candidates), 0 where no rank has a value.
+    float best[2] = {-FLT_MAX, -FLT_MAX};
+    int64_t best_i[2] = {INT64_MAX, INT64_MAX};
+    for (int q = 0; q < n; ++q) {
+      uint32_t w[kWordsPerThread] = {0, 0, 0, 0};
+      words_of(q, w);
+      for (int i = 0; i < 2; ++i)
+        keep_better(best[i], best_i[i], __uint_as_float(w[2 * i]), static_cast<int64_t>(__uint_as_float(w[2 * i + 1])));
+    }
+    for (int i = 0; i < 2; ++i)
+      if (w0 + 2 * i < words) dst[w0 / 2 + i] = static_cast<uint32_t>(best_i[i] != INT64_MAX ? best_i[i] : 0);
   } else if (rank != 0) {
     uint32_t w[kWordsPerThread] = {0, 0, 0, 0};
     words_of(0, w);
@@ -146,7 +164,8 @@ int64_t peer_collective_max_bytes() {
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     for (const void* k : {reinterpret_cast<const void*>(peer_kernel<Op::kSum>),
                           reinterpret_cast<const void*>(peer_kernel<Op::kGather>),
-                          reinterpret_cast<const void*>(peer_kernel<Op::kBroadcast>)}) {
+                          reinterpret_cast<const void*>(peer_kernel<Op::kBroadcast>),
+                          reinterpret_cast<const void*>(peer_kernel<Op::kArgmax>)}) {
       int per_sm = 0;
       CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kThreads, 0));
       fewest = std::min(fewest, per_sm * sms);
@@ -241,6 +260,10 @@ void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int6
 
 void launch_peer_broadcast(const PeerArgs& a, void* t, int64_t bytes, cudaStream_t s) {
   launch_op<Op::kBroadcast>(a, t, t, bytes, s);
+}
+
+void launch_peer_argmax(const PeerArgs& a, const float* cand, int32_t* ids, int64_t rows, cudaStream_t s) {
+  launch_op<Op::kArgmax>(a, cand, ids, rows * 8, s);
 }
 
 }  // namespace dflash::cuda

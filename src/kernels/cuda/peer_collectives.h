@@ -1,6 +1,6 @@
 // One-kernel collectives over the GPUs of this process for small tensors (a decode step's
-// [rows, n_embd] partial sums, its logits, the draft's context): all-reduce (bf16 sum), all-gather
-// and broadcast. Each rank stores its data straight into every peer's inbox over NVLink (peer
+// [rows, n_embd] partial sums, its logits, the draft's context): all-reduce (bf16 sum), all-gather,
+// broadcast, and the argmax of a vocabulary split's candidates. Each rank stores its data straight into every peer's inbox over NVLink (peer
 // access) in 8-byte words of 4 data bytes and a 4-byte flag (the call's number), so a receiver
 // knows a word has arrived when its flag is the call's: no fence, no separate flag, one trip over
 // NVLink. The all-reduce sums its own tensor and its inbox in rank order in float32: the same bits
@@ -77,5 +77,8 @@ void launch_peer_all_gather(const PeerArgs& a, const void* part, void* all, int6
                             int64_t all_row_bytes, cudaStream_t s);
 // t = rank 0's t.
 void launch_peer_broadcast(const PeerArgs& a, void* t, int64_t bytes, cudaStream_t s);
+// ids [rows] on every rank = the argmax chosen from every rank's candidates (cand: [rows, 2]
+// float32, contiguous; Backend::argmax_candidates), as Backend::argmax_of_candidates chooses.
+void launch_peer_argmax(const PeerArgs& a, const float* cand, int32_t* ids, int64_t rows, cudaStream_t s);
 
 }  // namespace dflash::cuda

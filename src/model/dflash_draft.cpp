@@ -133,7 +133,8 @@ Tensor DraftModel::forward_block(const ForwardBatch& batch, KvCache& cache) {
   if (ranks_.empty()) return forward_own(batch, cache);
   Tensor logits;
   run_on_ranks(
-      batch, cache, [&](int r) { ranks_[static_cast<size_t>(r - 1)]->forward_own(batch, cache.ranks[static_cast<size_t>(r - 1)]); },
+      batch, cache,
+      [&](int r) { ranks_[static_cast<size_t>(r - 1)]->forward_own(batch, cache.ranks[static_cast<size_t>(r - 1)]); },
       [&] { logits = forward_own(batch, cache); });
   return logits;
 }

@@ -432,7 +432,8 @@ __global__ void argmax_of_candidates_kernel(const float* all, int64_t stride, in
   if (r >= rows) return;
   float best = -FLT_MAX;
   int64_t best_i = INT64_MAX;
-  for (int k = 0; k < n_parts; ++k) keep_better(best, best_i, all[r * stride + 2 * k], static_cast<int64_t>(all[r * stride + 2 * k + 1]));
+  for (int k = 0; k < n_parts; ++k)
+    keep_better(best, best_i, all[r * stride + 2 * k], static_cast<int64_t>(all[r * stride + 2 * k + 1]));
   ids[r] = static_cast<int32_t>(best_i != INT64_MAX ? best_i : 0);
 }
 
@@ -625,7 +626,8 @@ void launch_argmax_candidates(const Mat& x, int64_t first_id, float* cand, void*
 void launch_argmax_of_candidates(const float* all, int64_t stride, int64_t rows, int n_parts, int32_t* ids,
                                  cudaStream_t s) {
   if (rows == 0) return;
-  launch(argmax_of_candidates_kernel, static_cast<unsigned>((rows + 127) / 128), 128, s, all, stride, rows, n_parts, ids);
+  launch(argmax_of_candidates_kernel, static_cast<unsigned>((rows + 127) / 128), 128, s, all, stride, rows, n_parts,
+         ids);
 }
 
 void launch_add_bias(Mat out, const bf16* bias, cudaStream_t s) {

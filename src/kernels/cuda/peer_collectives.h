@@ -3,9 +3,9 @@
 // broadcast, and the argmax of a vocabulary split's candidates. Each rank stores its data straight
 // into every peer's inbox over NVLink (peer access) in 8-byte words of 4 data bytes and a 4-byte
 // flag (the call's number), so a receiver knows a word has arrived when its flag is the call's: no
-// fence, no separate flag, one trip over NVLink. The all-reduce sums its own tensor and its inbox in rank order in float32: the same bits
-// on every rank, and with two ranks those of NCCL's bf16 sum. Timings in bench/results/README.md
-// ("Tensor parallelism").
+// fence, no separate flag, one trip over NVLink. The all-reduce sums its own tensor and its inbox
+// in rank order in float32: the same bits on every rank, and with two ranks those of NCCL's bf16
+// sum. Timings in bench/results/README.md ("Tensor parallelism").
 #pragma once
 
 #include <cstdint>

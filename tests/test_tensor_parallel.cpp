@@ -238,6 +238,58 @@ TEST(TensorParallel, ServingOverTwoRanksKeepsStatesOnEveryRank) {
   EXPECT_GT(server.stats().state_snapshots_taken, 0);
 }
 
+// Greedy serving over two ranks with three DFlash sequences a step: 48 verification and 45 draft
+// rows, whose argmax comes from the ranks' candidates (more than 32 rows). Each sequence gives one
+// rank's generation, and the drafts are accepted as often.
+TEST(TensorParallel, GreedyServingOfThreeSequencesEqualsOneRank) {
+  const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
+  EngineOptions eo;
+  eo.model_dir = fixture(meta["target"].get<std::string>());
+  eo.draft_dir = fixture(meta["draft"].get<std::string>());
+  Engine one(eo);
+  ServingOptions so;
+  so.engine = eo;
+  so.engine.tensor_parallel = 2;
+  so.max_num_seqs = 3;
+  ServingEngine server(so);
+  const auto prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::vector<int32_t>> got(3);
+  int done = 0;
+  for (size_t i = 0; i < 3; ++i) {
+    RequestParams rp;
+    rp.prompt = prompts[i];
+    rp.max_tokens = 40;
+    rp.ignore_eos = true;
+    server.submit(rp, [&, i](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lk(mu);
+      got[i].insert(got[i].end(), e.tokens.begin(), e.tokens.end());
+      done += e.finished;
+      cv.notify_all();
+    });
+  }
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    ASSERT_TRUE(cv.wait_for(lk, std::chrono::minutes(2), [&] { return done == 3; }));
+  }
+  std::vector<int64_t> want_histogram(server.stats().acceptance_histogram.size(), 0);
+  for (size_t i = 0; i < 3; ++i) {
+    GenerateOptions go;
+    go.max_tokens = 40;
+    go.use_default_eos = false;
+    go.mode = SpeculativeMode::DFlash;
+    const GenerationResult want = one.generate(prompts[i], go);
+    EXPECT_EQ(got[i], want.tokens) << "prompt " << i;
+    for (size_t a = 0; a < want.stats.acceptance_histogram.size() && a < want_histogram.size(); ++a)
+      want_histogram[a] += want.stats.acceptance_histogram[a];
+  }
+  EXPECT_EQ(server.stats().acceptance_histogram, want_histogram);
+  int64_t steps = 0, tokens = 0;
+  for (size_t a = 0; a < want_histogram.size(); ++a) steps += want_histogram[a], tokens += (a + 1) * want_histogram[a];
+  EXPECT_GT(tokens, 2 * steps) << "the trained draft is accepted";
+}
+
 TEST(TensorParallel, ShapesThatDoNotDivideAreRefused) {
   auto expect_refused = [](const char* target, int size, const std::string& what) {
     auto be = make_cpu_backend();

@@ -64,8 +64,8 @@ struct Step {
   bool fixed_shape = false;
   bool draft_on_device = true;  // drafts are the draft's argmax and reach the target on the device
   // Every sequence takes the target's argmax (greedy, no logits processing or log-probabilities):
-  // the forward gives the argmax alone (with the vocabulary split, no logits are gathered) and
-  // logits stays empty.
+  // the forward gives the argmax alone (TargetModel::argmax_of: with the vocabulary split and more
+  // than 32 rows, no logits are gathered) and logits stays empty.
   bool argmax_only = false;
   std::vector<int32_t> device_rows;  // target rows whose tokens are drafted on the device, in draft-row order
   // Filled by execute:

@@ -79,7 +79,10 @@ void DraftModel::project_context(const Tensor& captured, const std::vector<int32
   target_.rank_group()->run(
       [&](int r) {
         DraftModel& d = *ranks_[static_cast<size_t>(r - 1)];
-        d.project_own(d.target_.captured(), rows, batch, cache.ranks[static_cast<size_t>(r - 1)]);
+        const Tensor& own = d.target_.captured();
+        check(own.rows == captured.rows && own.cols == captured.cols, "draft context: rank ", r,
+              "'s captured layers are not those of the target's last forward that rank 0 projects");
+        d.project_own(own, rows, batch, cache.ranks[static_cast<size_t>(r - 1)]);
       },
       [&] { project_own(captured, rows, batch, cache); });
 }

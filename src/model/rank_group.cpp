@@ -146,6 +146,9 @@ void RankGroup::spin_until(const std::function<bool()>& done) const {
   if (!devices_->spin_waits()) return;
   const auto until = std::chrono::steady_clock::now() + kSpin;
   while (!done() && std::chrono::steady_clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();  // yields the core's pipeline to a sibling hyperthread while spinning
+#endif
   }
 }
 

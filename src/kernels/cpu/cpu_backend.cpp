@@ -400,8 +400,9 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < ids.rows; ++r) static_cast<int32_t*>(ids.data)[r * ids.stride] = a[r];
   }
 
-  // std::max_element's choice (argmax_rows) over the parts: a later part's best replaces the
-  // best so far only when it is larger.
+  // std::max_element's choice (argmax_rows) over the parts, for rows without NaN: a later part's
+  // best replaces the best so far only when it is larger. A NaN candidate (a part with no columns,
+  // or whose max_element is NaN) never wins.
   void argmax_candidates(const Tensor& x, int64_t first_id, Tensor& cand) override {
     check(cand.rows == x.rows && cand.cols == 2, "cpu backend: argmax_candidates needs [x.rows, 2] candidates");
     check(first_id + x.cols <= (int64_t{1} << 24), "argmax candidates: ids beyond 2^24 are not exact in float32");
@@ -409,7 +410,7 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < x.rows; ++r) {
       float* c = cand.row_f32(r);
       c[0] = x.cols > 0 ? x.row_f32(r)[a[r]] : std::nanf("");
-      c[1] = static_cast<float>(first_id + a[r]);
+      c[1] = x.cols > 0 ? static_cast<float>(first_id + a[r]) : 0.0f;
     }
   }
   void argmax_of_candidates(const Tensor& all, Tensor& ids) override {
@@ -417,10 +418,10 @@ class CpuBackend final : public Backend {
           "cpu backend: argmax_of_candidates needs [rows, 2 n] candidates and an id per row");
     for (int64_t r = 0; r < all.rows; ++r) {
       const float* c = all.row_f32(r);
-      int64_t best = 0;
-      for (int64_t k = 1; k < all.cols / 2; ++k)
-        if (c[2 * best] < c[2 * k]) best = k;
-      static_cast<int32_t*>(ids.data)[r * ids.stride] = static_cast<int32_t>(c[2 * best + 1]);
+      int64_t best = -1;
+      for (int64_t k = 0; k < all.cols / 2; ++k)
+        if (!std::isnan(c[2 * k]) && (best < 0 || c[2 * best] < c[2 * k])) best = k;
+      static_cast<int32_t*>(ids.data)[r * ids.stride] = best < 0 ? 0 : static_cast<int32_t>(c[2 * best + 1]);
     }
   }
 

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -186,18 +187,28 @@ TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
   }
 }
 
+// An engine of one rank over a fixture pair, and serving options for the same pair over two ranks.
+struct PairOverTwoRanks {
+  explicit PairOverTwoRanks(const nlohmann::json& meta) {
+    eo.model_dir = fixture(meta["target"].get<std::string>());
+    eo.draft_dir = fixture(meta["draft"].get<std::string>());
+    one = std::make_unique<Engine>(eo);
+    so.engine = eo;
+    so.engine.tensor_parallel = 2;
+  }
+  EngineOptions eo;
+  ServingOptions so;
+  std::unique_ptr<Engine> one;
+};
+
 // Serving over two ranks: a hybrid conversation's second turn starts from a kept state copied on
 // every rank, and each turn equals one rank's generation: its tokens, and their log-probabilities
 // to 1e-4 (a rank left with another state is off by far more, while its tokens may still agree).
 TEST(TensorParallel, ServingOverTwoRanksKeepsStatesOnEveryRank) {
   const auto meta = test::read_json(fixture("expected/qwen3_5_tied.json"));
-  EngineOptions eo;
-  eo.model_dir = fixture(meta["target"].get<std::string>());
-  eo.draft_dir = fixture(meta["draft"].get<std::string>());
-  Engine one(eo);
-  ServingOptions so;
-  so.engine = eo;
-  so.engine.tensor_parallel = 2;
+  PairOverTwoRanks pair(meta);
+  Engine& one = *pair.one;
+  ServingOptions so = pair.so;
   so.engine.page_size = 4;
   so.max_num_seqs = 2;
   ServingEngine server(so);
@@ -243,13 +254,9 @@ TEST(TensorParallel, ServingOverTwoRanksKeepsStatesOnEveryRank) {
 // rank's generation, and the drafts are accepted as often.
 TEST(TensorParallel, GreedyServingOfThreeSequencesEqualsOneRank) {
   const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
-  EngineOptions eo;
-  eo.model_dir = fixture(meta["target"].get<std::string>());
-  eo.draft_dir = fixture(meta["draft"].get<std::string>());
-  Engine one(eo);
-  ServingOptions so;
-  so.engine = eo;
-  so.engine.tensor_parallel = 2;
+  PairOverTwoRanks pair(meta);
+  Engine& one = *pair.one;
+  ServingOptions so = pair.so;
   so.max_num_seqs = 3;
   ServingEngine server(so);
   const auto prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();

@@ -601,7 +601,9 @@ int64_t argmax_workspace_bytes() {
   return kArgmaxMaxRows * (sizeof(unsigned) + kArgmaxSlices * (sizeof(int64_t) + sizeof(float)));
 }
 
-void launch_argmax(const Mat& x, int32_t* out, void* workspace, cudaStream_t s) {
+namespace {
+// argmax_kernel into out, or (out null) into cand.
+void launch_argmax_kernel(const Mat& x, int32_t* out, float* cand, int64_t first_id, void* workspace, cudaStream_t s) {
   if (x.rows == 0) return;
   // The same layout for every call: the row counters stay where the last call left them (zero).
   auto* counters = static_cast<unsigned*>(workspace);
@@ -610,17 +612,16 @@ void launch_argmax(const Mat& x, int32_t* out, void* workspace, cudaStream_t s) 
   // Rows of a few thousand values need no more than one block each.
   const int slices = static_cast<int>(std::min<int64_t>(kArgmaxSlices, (x.cols + 2047) / 2048));
   launch(argmax_kernel, dim3(slices, static_cast<unsigned>(x.rows)), 256, s, x.data, x.stride, x.cols, part_v,
-         part_i, counters, out, static_cast<float*>(nullptr), int64_t{0});
+         part_i, counters, out, cand, first_id);
+}
+}  // namespace
+
+void launch_argmax(const Mat& x, int32_t* out, void* workspace, cudaStream_t s) {
+  launch_argmax_kernel(x, out, nullptr, 0, workspace, s);
 }
 
 void launch_argmax_candidates(const Mat& x, int64_t first_id, float* cand, void* workspace, cudaStream_t s) {
-  if (x.rows == 0) return;
-  auto* counters = static_cast<unsigned*>(workspace);
-  auto* part_i = reinterpret_cast<int64_t*>(counters + kArgmaxMaxRows);
-  auto* part_v = reinterpret_cast<float*>(part_i + kArgmaxMaxRows * kArgmaxSlices);
-  const int slices = static_cast<int>(std::min<int64_t>(kArgmaxSlices, (x.cols + 2047) / 2048));
-  launch(argmax_kernel, dim3(slices, static_cast<unsigned>(x.rows)), 256, s, x.data, x.stride, x.cols, part_v,
-         part_i, counters, static_cast<int32_t*>(nullptr), cand, first_id);
+  launch_argmax_kernel(x, nullptr, cand, first_id, workspace, s);
 }
 
 void launch_argmax_of_candidates(const float* all, int64_t stride, int64_t rows, int n_parts, int32_t* ids,

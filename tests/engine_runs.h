@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -47,10 +48,12 @@ inline double expect_lossless(Engine& engine, const std::vector<std::vector<int3
   return tau;
 }
 
-// Serves `prompts` (greedy, max_tokens each) with so's settings; tokens per prompt.
+// Serves `prompts` (greedy, max_tokens each, unless `adjust` changes request i) with so's settings;
+// tokens per prompt.
 inline std::vector<std::vector<int32_t>> serve_all(const ServingOptions& so,
                                                    const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
-                                                   ServingStats* stats = nullptr) {
+                                                   ServingStats* stats = nullptr,
+                                                   const std::function<void(size_t, RequestParams&)>& adjust = {}) {
   ServingEngine server(so);
   std::mutex mu;
   std::condition_variable cv;
@@ -62,6 +65,7 @@ inline std::vector<std::vector<int32_t>> serve_all(const ServingOptions& so,
       RequestParams rp;
       rp.prompt = prompts[i];
       rp.max_tokens = max_tokens;
+      if (adjust) adjust(i, rp);
       server.submit(rp, [&, i](const TokenEvent& e) {
         std::lock_guard<std::mutex> l(mu);
         got[i].insert(got[i].end(), e.tokens.begin(), e.tokens.end());

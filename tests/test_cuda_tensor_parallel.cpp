@@ -1,8 +1,9 @@
 // Tensor parallelism over two GPUs (NCCL): a 2-rank target's logits track one GPU's; DFlash
 // greedy equals plain greedy over two GPUs token for token; generation over two GPUs gives one
 // GPU's tokens on the trained pairs; serving with CUDA graphs (every rank's part captured,
-// restaged and replayed with rank 0's) equals generation op by op. Skipped without two GPUs
-// (scripts/device-test.sh STEPS=tp on a two-GPU kind).
+// restaged and replayed with rank 0's) equals generation op by op; sampled tokens from the ranks'
+// parts of the logits (served steps of more than 32 rows) equal those of the whole logits.
+// Skipped without two GPUs (scripts/device-test.sh STEPS=tp on a two-GPU kind).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -141,6 +142,44 @@ TEST_F(CudaTensorParallel, GenerationOverTwoGpusEqualsOneGpuOnTrainedPairs) {
       EXPECT_EQ(two[i], one[i]) << name << ", prompt " << i;
     }
     std::printf("[%s] over 2 GPUs: %zu of %zu prompts give one GPU's tokens\n", name, same, prompts.size());
+  }
+}
+
+// Serving three DFlash sequences over two GPUs (48 verification rows a step), two of them sampled
+// (top-k, and every entry) beside a greedy one: the sampled rows' candidates come from each rank's
+// part of the vocabulary, merged (no logits gathered), and give the tokens that the whole logits
+// give (generation with log-probabilities gathers them and chooses on the host); batch-invariant,
+// so that a row's logits do not depend on the rows beside it.
+TEST_F(CudaTensorParallel, SampledServingFromTheRanksPartsEqualsTheWholeLogitsOverTwoGpus) {
+  const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
+  EngineOptions eo;
+  eo.device = "cuda";
+  eo.tensor_parallel = 2;
+  eo.batch_invariant = true;
+  eo.model_dir = fixture(meta["target"].get<std::string>());
+  eo.draft_dir = fixture(meta["draft"].get<std::string>());
+  const auto all = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+  const std::vector<std::vector<int32_t>> prompts(all.begin(), all.begin() + 3);
+  std::vector<SamplingParams> sampling(3);
+  sampling[0].temperature = 1.5f, sampling[0].top_k = 20, sampling[0].seed = 3;
+  sampling[1].temperature = 1.5f, sampling[1].seed = 4;  // every entry a candidate
+  ServingOptions so;
+  so.engine = eo;
+  so.mode = SpeculativeMode::DFlash;
+  so.max_num_seqs = 3;
+  const auto got = test::serve_all(so, prompts, 40, nullptr, [&](size_t i, RequestParams& rp) {
+    rp.sampling = sampling[i];
+    rp.ignore_eos = true;
+  });
+  Engine engine(eo);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenerateOptions go;
+    go.max_tokens = 40;
+    go.use_default_eos = false;
+    go.mode = SpeculativeMode::DFlash;
+    go.sampling = sampling[i];
+    go.logprobs = 0;
+    EXPECT_EQ(got[i], engine.generate(prompts[i], go).tokens) << "prompt " << i;
   }
 }
 

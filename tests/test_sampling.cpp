@@ -138,6 +138,37 @@ TEST(Sampling, TopCandidatesAreTheTopKWithTiesAndNoNaN) {
   }
 }
 
+// A row split into parts (tensor-parallel ranks' vocabularies): the parts' selections merged are
+// the whole row's, ties at the threshold spread over the parts included.
+TEST(Sampling, TopCandidatesOfPartsMergeIntoTheRowsSelection) {
+  std::mt19937 rng(std::random_device{}());
+  for (int n : {7, 100, 5000}) {
+    for (int trial = 0; trial < 4; ++trial) {
+      auto logits = random_logits(n, rng);
+      for (float& v : logits) v = std::round(v * 2) / 2;  // many ties
+      if (trial == 3)
+        for (int i = 0; i < n; i += 2) logits[static_cast<size_t>(i)] = NAN;  // fewer finite entries than k
+      logits[1] = -INFINITY;
+      const float t = trial == 1 ? 0.6f : 1.0f;
+      for (int n_parts : {2, 3, 4}) {
+        for (int k : {0, 1, 3, 20, n / 2, n - 1, n}) {
+          std::vector<TopCandidates> parts;
+          for (int p = 0; p < n_parts; ++p) {
+            const int lo = n * p / n_parts, hi = n * (p + 1) / n_parts;
+            TopCandidates c = select_top_candidates(logits.data() + lo, hi - lo, t, k);
+            for (int32_t& id : c.ids) id += lo;
+            parts.push_back(std::move(c));
+          }
+          const TopCandidates want = select_top_candidates(logits.data(), n, t, k);
+          const TopCandidates got = merge_top_candidates(parts, k);
+          ASSERT_EQ(got.ids, want.ids) << "n " << n << " parts " << n_parts << " k " << k << " trial " << trial;
+          ASSERT_EQ(got.x, want.x) << "n " << n << " parts " << n_parts << " k " << k;
+        }
+      }
+    }
+  }
+}
+
 TEST(Sampling, TopPOnTiesAndTinyNuclei) {
   // Ten equal logits, top_p 0.35: tokens are kept while the mass before them is below 0.35.
   const std::vector<float> flat(10, 1.0f);

@@ -187,6 +187,42 @@ TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
   }
 }
 
+// Sampled generation over two ranks (one sequence: its logits gathered, at most 16 rows a step):
+// one rank's tokens, plain and DFlash (both schemes), with top-k and with every entry (top_k 0).
+TEST(TensorParallel, SampledGenerationOverTwoRanksEqualsOneRank) {
+  const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
+  EngineOptions eo;
+  eo.model_dir = fixture(meta["target"].get<std::string>());
+  eo.draft_dir = fixture(meta["draft"].get<std::string>());
+  Engine one(eo);
+  eo.tensor_parallel = 2;
+  Engine two(eo);
+  const auto prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+  for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+    for (SpecSampling scheme : {SpecSampling::Match, SpecSampling::Rejection}) {
+      if (mode == SpeculativeMode::None && scheme == SpecSampling::Rejection) continue;
+      for (int top_k : {20, 0}) {
+        for (size_t i = 0; i < 3; ++i) {
+          GenerateOptions go;
+          go.max_tokens = 24;
+          go.mode = mode;
+          go.spec_sampling = scheme;
+          go.sampling.temperature = 1.5f;  // a flat distribution: samples from both ranks' parts
+          go.sampling.top_k = top_k;
+          go.sampling.seed = 11 + i;
+          const auto got = two.generate(prompts[i], go), want = one.generate(prompts[i], go);
+          const std::string what = "prompt " + std::to_string(i) + ", top_k " + std::to_string(top_k) +
+                                   (mode == SpeculativeMode::DFlash
+                                        ? (scheme == SpecSampling::Match ? ", DFlash match" : ", DFlash rejection")
+                                        : ", plain");
+          EXPECT_EQ(got.tokens, want.tokens) << what;
+          EXPECT_EQ(got.stats.acceptance_histogram, want.stats.acceptance_histogram) << what;
+        }
+      }
+    }
+  }
+}
+
 // An engine of one rank over a fixture pair, and serving options for the same pair over two ranks.
 struct PairOverTwoRanks {
   explicit PairOverTwoRanks(const nlohmann::json& meta) {
@@ -249,10 +285,12 @@ TEST(TensorParallel, ServingOverTwoRanksKeepsStatesOnEveryRank) {
   EXPECT_GT(server.stats().state_snapshots_taken, 0);
 }
 
-// Greedy serving over two ranks with three DFlash sequences a step: 48 verification and 45 draft
-// rows, whose argmax comes from the ranks' candidates (more than 32 rows). Each sequence gives one
-// rank's generation, and the drafts are accepted as often.
-TEST(TensorParallel, GreedyServingOfThreeSequencesEqualsOneRank) {
+// Serving over two ranks with three DFlash sequences a step (48 verification and 45 draft rows):
+// each sequence gives one rank's generation, and the drafts are accepted as often. All greedy, the
+// step's argmax comes from the ranks' candidates (more than 32 rows); with sampled sequences beside
+// a greedy one, the logits stay in the ranks' parts, which give the sampled rows' top-k candidates
+// (merged on rank 0) and the greedy rows' argmax.
+void serve_three_sequences_over_two_ranks(const std::vector<SamplingParams>& sampling) {
   const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
   PairOverTwoRanks pair(meta);
   Engine& one = *pair.one;
@@ -269,6 +307,7 @@ TEST(TensorParallel, GreedyServingOfThreeSequencesEqualsOneRank) {
     rp.prompt = prompts[i];
     rp.max_tokens = 40;
     rp.ignore_eos = true;
+    rp.sampling = sampling[i];
     server.submit(rp, [&, i](const TokenEvent& e) {
       std::lock_guard<std::mutex> lk(mu);
       got[i].insert(got[i].end(), e.tokens.begin(), e.tokens.end());
@@ -286,8 +325,9 @@ TEST(TensorParallel, GreedyServingOfThreeSequencesEqualsOneRank) {
     go.max_tokens = 40;
     go.use_default_eos = false;
     go.mode = SpeculativeMode::DFlash;
+    go.sampling = sampling[i];
     const GenerationResult want = one.generate(prompts[i], go);
-    EXPECT_EQ(got[i], want.tokens) << "prompt " << i;
+    EXPECT_EQ(got[i], want.tokens) << "prompt " << i << (sampling[i].greedy() ? ", greedy" : ", sampled");
     for (size_t a = 0; a < want.stats.acceptance_histogram.size() && a < want_histogram.size(); ++a)
       want_histogram[a] += want.stats.acceptance_histogram[a];
   }
@@ -295,6 +335,17 @@ TEST(TensorParallel, GreedyServingOfThreeSequencesEqualsOneRank) {
   int64_t steps = 0, tokens = 0;
   for (size_t a = 0; a < want_histogram.size(); ++a) steps += want_histogram[a], tokens += (a + 1) * want_histogram[a];
   EXPECT_GT(tokens, 2 * steps) << "the trained draft is accepted";
+}
+
+TEST(TensorParallel, GreedyServingOfThreeSequencesEqualsOneRank) {
+  serve_three_sequences_over_two_ranks(std::vector<SamplingParams>(3));
+}
+
+TEST(TensorParallel, SampledServingBesideGreedyEqualsOneRank) {
+  std::vector<SamplingParams> sampling(3);
+  sampling[1].temperature = 0.7f, sampling[1].top_k = 20, sampling[1].seed = 5;
+  sampling[2].temperature = 0.7f, sampling[2].top_p = 0.9f, sampling[2].seed = 6;  // every entry a candidate
+  serve_three_sequences_over_two_ranks(sampling);
 }
 
 TEST(TensorParallel, ShapesThatDoNotDivideAreRefused) {

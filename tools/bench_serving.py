@@ -10,7 +10,7 @@ Python's standard library only, so it runs wherever dflash runs.
 Usage:
   python3 tools/bench_serving.py --dflash build/dflash --data bench/data/humaneval.jsonl \\
       --n 32 --concurrency 1,4,16 --max-tokens 128 [--mode completion|chat] \\
-      [--server-args "--model DIR --draft DIR"] [--json out.json]
+      [--temperature T --top-k K] [--server-args "--model DIR --draft DIR"] [--json out.json]
 
 Prompt sets are JSONL rows with "turns" (the first turn is used). completion
 mode sends the code inside the turn's ``` fence (or the whole turn) to
@@ -85,12 +85,13 @@ SWEEP_COUNTERS = ["dflash_engine_steps_total", "dflash_graph_steps_total", "dfla
                   "dflash_prefix_cache_hit_pages_total", "dflash_preemptions_total"]
 
 
-def request(server, prompt, max_tokens, mode):
+def request(server, prompt, max_tokens, mode, sampling=None):
     """One streaming request: (completion tokens, TTFT s, TPOT s, start s, end s); start and end
-    on time.perf_counter's clock."""
+    on time.perf_counter's clock. sampling: request fields (temperature, top_k), else the server's
+    defaults."""
     chat = mode == "chat"
     body = {"model": server.model, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(sampling or {})}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -121,7 +122,7 @@ def request(server, prompt, max_tokens, mode):
     return tokens, first - t0, (last - first) / (tokens - 1) if tokens > 1 else 0.0, t0, time.perf_counter()
 
 
-def sweep_one(server, prompts, c, max_tokens, mode):
+def sweep_one(server, prompts, c, max_tokens, mode, sampling=None):
     acc0 = server.metrics()
     results, errors, lock = [], [], threading.Lock()
     queue = list(prompts)
@@ -133,7 +134,7 @@ def sweep_one(server, prompts, c, max_tokens, mode):
                     return
                 p = queue.pop(0)
             try:
-                r = request(server, p, max_tokens, mode)
+                r = request(server, p, max_tokens, mode, sampling)
             except Exception as e:  # reported after the sweep
                 with lock:
                     errors.append(str(e))
@@ -174,8 +175,11 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--mode", choices=["completion", "chat"], default="completion")
     ap.add_argument("--server-args", default="")
+    ap.add_argument("--temperature", type=float, help="sampled requests at this temperature (default: the server's)")
+    ap.add_argument("--top-k", type=int, help="the requests' top_k (default: the server's)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    sampling = {k: v for k, v in (("temperature", a.temperature), ("top_k", a.top_k)) if v is not None}
     conc = [int(x) for x in a.concurrency.split(",")]
     prompts = load_prompts(a.data, a.n, a.mode)
     rows = []
@@ -186,9 +190,9 @@ def main():
         server = Server(a.dflash, args)
         sys.stderr.write(server.log)
         try:
-            request(server, prompts[0], 8, a.mode)  # warm-up
+            request(server, prompts[0], 8, a.mode, sampling)  # warm-up
             for c in conc:
-                r = sweep_one(server, prompts, c, a.max_tokens, a.mode)
+                r = sweep_one(server, prompts, c, a.max_tokens, a.mode, sampling)
                 rows.append({"variant": variant, "concurrency": c, **r})
                 sys.stderr.write(f"{variant} c={c}: {r['output_tok_s']:.1f} tok/s\n")
         finally:
@@ -201,7 +205,7 @@ def main():
             print(f"{c:>11} | {r['variant']:<8} | {r['output_tok_s']:>12.1f} | {r['ttft_ms']:>7.1f} | "
                   f"{r['ttft_ms_max']:>8.1f} | {r['tpot_ms']:>7.2f} | {r['tau']:.2f} | {r['speedup']:.2f}x")
     if a.json:
-        settings = {"data": a.data, "n": a.n, "max_tokens": a.max_tokens, "mode": a.mode,
+        settings = {"data": a.data, "n": a.n, "max_tokens": a.max_tokens, "mode": a.mode, "sampling": sampling,
                     "server_args": a.server_args, "concurrency": conc}
         with open(a.json, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=2)

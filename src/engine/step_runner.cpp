@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 
 #include "util/error.h"
 
@@ -35,12 +36,19 @@ Step StepRunner::prepare(const StepPlan& plan, bool force_fixed_shape) const {
   // drafts of sampled sequences are sampled on the host in between.
   for (const auto& d : plan.decodes)
     st.draft_on_device = st.draft_on_device && (scheme_ == SpecSampling::Match || d.seq->sampling.greedy());
-  auto argmax_alone = [](const Sequence& s) {
-    return s.sampling.greedy() && !s.sampling.processes_logits() && s.logprobs < 0;
-  };
+  // What the step's sequences ask of its logits: whole rows (logits processing and
+  // log-probabilities are on the host), the argmax alone, or top-k candidates.
   st.argmax_only = true;
-  for (const auto& d : plan.decodes) st.argmax_only = st.argmax_only && argmax_alone(*d.seq);
-  for (const auto& p : plan.prefills) st.argmax_only = st.argmax_only && argmax_alone(*p.seq);
+  st.logit_parts = m_.target->splits_vocabulary();
+  auto take = [&](const Sequence& s) {
+    const bool on_device = !s.sampling.processes_logits() && s.logprobs < 0;
+    st.argmax_only = st.argmax_only && on_device && s.sampling.greedy();
+    st.logit_parts = st.logit_parts && on_device;
+    st.parts_argmax = st.parts_argmax || s.sampling.greedy();
+  };
+  for (const auto& d : plan.decodes) take(*d.seq);
+  for (const auto& p : plan.prefills) take(*p.seq);
+  st.logit_parts = st.logit_parts && !st.argmax_only;
   bool whole_blocks = plan.prefills.empty() && !plan.decodes.empty();
   for (const auto& d : plan.decodes)
     whole_blocks = whole_blocks && d.n_rows == block_ && (!spec_ || d.seq->n_draft_ctx == d.seq->n_cached);
@@ -96,6 +104,8 @@ Step StepRunner::prepare(const StepPlan& plan, bool force_fixed_shape) const {
     for (int32_t j = 1; j <= r.n_drafted; ++j) st.device_rows.push_back(r.first_row + j);
     if (st.fixed_shape && spec_) st.project_batch.add_sequence(zeros(block_), s.n_cached, s.pages);
   }
+  st.logit_parts = st.logit_parts && tb.logit_rows.size() > TargetModel::kGatheredMaxRows;
+  st.parts_argmax = st.parts_argmax && st.logit_parts;
   return st;
 }
 
@@ -111,11 +121,11 @@ void StepRunner::forward(Step& st) {
   static const std::vector<int> no_capture;
   Tensor argmax = st.ids.slice_rows(n_drafts, n_logits);
   auto out = m_.target->forward(st.target_batch, caches_.target, spec_ ? m_.draft->config().target_layer_ids : no_capture,
-                                st.argmax_only ? &argmax : nullptr);
+                                st.argmax_only || st.parts_argmax ? &argmax : nullptr, st.logit_parts);
   st.logits = out.logits;
   st.captured = out.captured;
   if (st.fixed_shape && spec_) m_.draft->project_context(out.captured, nullptr, st.project_batch, caches_.draft);
-  if (!st.argmax_only) m_.be->argmax_ids(st.logits, argmax);
+  if (!st.argmax_only && !st.logit_parts) m_.be->argmax_ids(st.logits, argmax);
 }
 
 void StepRunner::draft_apart(Step& st) {
@@ -148,12 +158,11 @@ void StepRunner::execute(Step& st) {
     body();
   } else {
     const int64_t replays = graphs_.replays();
-    // The forward with logits and the one with the argmax alone are different graphs.
-    const char* kind = st.n_device_drafts() > 0 ? (st.argmax_only ? "dflash-argmax" : "dflash")
-                       : spec_                  ? (st.argmax_only ? "verify-argmax" : "verify")
-                                                : (st.argmax_only ? "plain-argmax" : "plain");
-    if (st.n_device_drafts() > 0) graphs_.run(StepGraphs::shape_key(kind, {&st.draft_batch, &st.target_batch}), body);
-    else graphs_.run(StepGraphs::shape_key(kind, {&st.target_batch}), body);
+    // The forwards with logits, with the argmax alone and with logits in parts are different graphs.
+    const std::string kind = std::string(st.n_device_drafts() > 0 ? "dflash" : spec_ ? "verify" : "plain") +
+                             (st.logit_parts ? "-parts" : "") + (st.argmax_only || st.parts_argmax ? "-argmax" : "");
+    if (st.n_device_drafts() > 0) graphs_.run(StepGraphs::shape_key(kind.c_str(), {&st.draft_batch, &st.target_batch}), body);
+    else graphs_.run(StepGraphs::shape_key(kind.c_str(), {&st.target_batch}), body);
     st.replayed = graphs_.replays() > replays;
   }
   st.host_ids = m_.be->ids_to_host(st.ids);
@@ -185,7 +194,12 @@ void StepRunner::postprocess(Step& st, StepCounters& c) {
     blocks.push_back({&s.sampling, r.first_logit, position, r.n_drafted > 0 ? &r.draft : nullptr, &s.tokens, s.n_prompt,
                       r.prefill ? -1 : s.pending, &s.eos, s.logprobs});
   }
-  const std::vector<BlockResult> results = verify_blocks(*m_.be, st.logits, blocks, scheme_, &argmax);
+  const SplitCandidates from_parts = [&](const std::vector<int32_t>& rows, const std::vector<float>& temperature,
+                                        const std::vector<int32_t>& top_k) {
+    return m_.target->top_candidates(rows, temperature, top_k);
+  };
+  const std::vector<BlockResult> results =
+      verify_blocks(*m_.be, st.logits, blocks, scheme_, &argmax, st.logit_parts ? &from_parts : nullptr);
 
   // Commit. The draft context of the committed rows: projected in the forward already
   // (fixed-shape), else gathered from the captured features and projected here.

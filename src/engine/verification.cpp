@@ -70,14 +70,15 @@ BlockResult verify_on_host(Backend& be, const Tensor& logits, const VerifyBlock&
 class CandidateRows {
  public:
   CandidateRows(Backend& be, const Tensor& logits, const std::vector<int32_t>& rows,
-                const std::vector<const SamplingParams*>& params) {
+                const std::vector<const SamplingParams*>& params, const SplitCandidates* split = nullptr) {
     std::vector<float> temperature;
     std::vector<int32_t> top_k;
     for (const SamplingParams* p : params) {
       temperature.push_back(p->temperature);
       top_k.push_back(p->top_k);
     }
-    rows_ = be.top_candidates(logits, rows, temperature, top_k);
+    if (rows.empty()) return;
+    rows_ = split ? (*split)(rows, temperature, top_k) : be.top_candidates(logits, rows, temperature, top_k);
   }
   // Distribution of the k-th listed row.
   TokenDist distribution(size_t k, const SamplingParams& p) const { return dflash::distribution(rows_[k], p); }
@@ -123,7 +124,8 @@ std::vector<DraftChoice> choose_draft_tokens(Backend& be, const Tensor& logits, 
 }
 
 std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const std::vector<VerifyBlock>& blocks,
-                                       SpecSampling scheme, const std::vector<int32_t>* known_argmax) {
+                                       SpecSampling scheme, const std::vector<int32_t>* known_argmax,
+                                       const SplitCandidates* split) {
   std::vector<int32_t> rows;
   std::vector<const SamplingParams*> params;
   std::vector<size_t> first_cand(blocks.size(), 0);  // index of each sampled block's first row in `rows`
@@ -141,15 +143,16 @@ std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const 
       params.push_back(b.params);
     }
   }
-  // A step whose every block takes the argmax may come without logits (StepRunner: argmax_only).
-  bool need_logits = !rows.empty() || (need_argmax && !known_argmax);
+  // A step whose every block takes the argmax may come without logits (StepRunner: argmax_only),
+  // and one with its logits in parts (split) takes the sampled rows' candidates from them.
+  bool need_logits = (!rows.empty() && !split) || (need_argmax && !known_argmax);
   for (const VerifyBlock& b : blocks) need_logits = need_logits || on_host(b);
   check(!need_logits || !logits.empty(), "internal: the step's choices need logits, and it has none");
   check(!known_argmax || logits.empty() || static_cast<int64_t>(known_argmax->size()) == logits.rows,
         "internal: the step's argmax has ", known_argmax ? known_argmax->size() : 0, " rows, its logits ", logits.rows);
   const std::vector<int32_t> argmax =
       known_argmax ? *known_argmax : need_argmax ? be.argmax_rows(logits) : std::vector<int32_t>{};
-  const CandidateRows cands(be, logits, rows, params);
+  const CandidateRows cands(be, logits, rows, params, split);
 
   std::vector<BlockResult> out(blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {

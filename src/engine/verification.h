@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <unordered_set>
 #include <vector>
 
@@ -52,8 +53,16 @@ struct BlockResult {
   std::vector<TokenLogprobs> logprobs;  // of d_1..d_accepted and next, when the block asks
 };
 
+// Backend::top_candidates of rows of logits that no one tensor holds (TargetModel::top_candidates:
+// each tensor-parallel rank's part of the vocabulary).
+using SplitCandidates = std::function<std::vector<TopCandidates>(
+    const std::vector<int32_t>& rows, const std::vector<float>& temperature, const std::vector<int32_t>& top_k)>;
+
 // `argmax`: the logits rows' argmax when the step computed it already (one per row), else null.
+// `split`: where sampled rows' candidates come from when the step kept its logits in parts
+// (`logits` then empty; blocks chosen on the host need whole logits).
 std::vector<BlockResult> verify_blocks(Backend& be, const Tensor& logits, const std::vector<VerifyBlock>& blocks,
-                                       SpecSampling scheme, const std::vector<int32_t>* argmax = nullptr);
+                                       SpecSampling scheme, const std::vector<int32_t>* argmax = nullptr,
+                                       const SplitCandidates* split = nullptr);
 
 }  // namespace dflash

@@ -41,4 +41,23 @@ TopCandidates select_top_candidates(const float* row, int64_t n, float temperatu
   return c;
 }
 
+TopCandidates merge_top_candidates(const std::vector<TopCandidates>& parts, int top_k) {
+  TopCandidates all;
+  for (const TopCandidates& p : parts) {
+    all.ids.insert(all.ids.end(), p.ids.begin(), p.ids.end());
+    all.x.insert(all.x.end(), p.x.begin(), p.x.end());
+  }
+  if (top_k <= 0 || all.x.size() <= static_cast<size_t>(top_k)) return all;
+  std::vector<float> x = all.x;
+  std::nth_element(x.begin(), x.begin() + (top_k - 1), x.end(), std::greater<float>());
+  const float threshold = x[static_cast<size_t>(top_k - 1)];
+  TopCandidates kept;
+  for (size_t i = 0; i < all.ids.size(); ++i) {
+    if (all.x[i] < threshold) continue;
+    kept.ids.push_back(all.ids[i]);
+    kept.x.push_back(all.x[i]);
+  }
+  return kept;
+}
+
 }  // namespace dflash

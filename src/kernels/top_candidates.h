@@ -19,4 +19,11 @@ struct TopCandidates {
 // entry. NaN entries are never kept. Expected O(n): one pass with a heap of top_k values.
 TopCandidates select_top_candidates(const float* row, int64_t n, float temperature, int top_k);
 
+// select_top_candidates of a whole row from those of its parts (a vocabulary split over
+// tensor-parallel ranks): `parts` are each part's selection with the same temperature and top_k,
+// ids made the row's, parts in increasing id order. Exact: an entry at or above the row's top_k-th
+// largest has fewer than top_k larger entries in its part, so its part kept it, and the top_k-th
+// largest of the union is the row's.
+TopCandidates merge_top_candidates(const std::vector<TopCandidates>& parts, int top_k);
+
 }  // namespace dflash

@@ -189,8 +189,9 @@ Tensor lm_head_rows(Backend& be, const Tensor& normed, const std::vector<int32_t
 }
 
 TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cache,
-                                         const std::vector<int>& capture_layers, Tensor* argmax) {
-  const Head head = argmax ? Head::argmax : Head::logits;
+                                         const std::vector<int>& capture_layers, Tensor* argmax, bool logit_parts) {
+  check(!logit_parts || splits_vocabulary(), "internal: logits kept in parts without a vocabulary split");
+  const Head head = logit_parts ? Head::parts : argmax ? Head::argmax : Head::logits;
   if (!ranks_) return forward_own(batch, cache, capture_layers, head, argmax);
   check(static_cast<int>(cache.ranks.size()) == tensor_parallel() - 1,
         "a tensor-parallel target's forward needs every rank's cache (TargetModel::alloc_cache)");
@@ -201,16 +202,17 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
       [&](int r) {
         TargetModel& m = ranks_->model(r);
         KvCache& c = cache.ranks[static_cast<size_t>(r - 1)];
-        const Head own_head = m.vocab_split() ? head : Head::none;
-        Tensor ids = own_head == Head::argmax ? m.be_.alloc_ids(argmax->rows) : Tensor{};
+        const Head own_head = m.splits_vocabulary() ? head : Head::none;
+        Tensor ids = argmax && own_head != Head::none ? m.be_.alloc_ids(argmax->rows) : Tensor{};
+        Tensor* own_ids = ids.empty() ? nullptr : &ids;
         if (!batch.device_tokens()) {
-          m.forward_own(batch, c, capture_layers, own_head, &ids);
+          m.forward_own(batch, c, capture_layers, own_head, own_ids);
           return;
         }
         ForwardBatch own = batch;
         own.from_device.ids = m.be_.alloc_ids(batch.from_device.ids.rows);
         m.comm_->broadcast(m.be_, own.from_device.ids);
-        m.forward_own(own, c, capture_layers, own_head, &ids);
+        m.forward_own(own, c, capture_layers, own_head, own_ids);
       },
       [&] {
         if (batch.device_tokens()) {
@@ -222,10 +224,10 @@ TargetModel::Output TargetModel::forward(const ForwardBatch& batch, KvCache& cac
   return out;
 }
 
-bool TargetModel::vocab_split() const { return w_.lm_head_part.rows < cfg_.n_vocab; }
+bool TargetModel::splits_vocabulary() const { return w_.lm_head_part.rows < cfg_.n_vocab; }
 
 Tensor TargetModel::logits_of(const Tensor& normed, const std::vector<int32_t>& which) {
-  if (!vocab_split() || which.empty()) return lm_head_rows(be_, normed, which, w_.lm_head_part);
+  if (!splits_vocabulary() || which.empty()) return lm_head_rows(be_, normed, which, w_.lm_head_part);
   const Tensor picked = picked_rows(be_, normed, which);
   Tensor logits = be_.alloc(picked.rows, cfg_.n_vocab);  // every rank's part of the vocabulary, side by side
   comm_->matmul_all_gather(be_, picked, w_.lm_head_part, logits);
@@ -235,22 +237,47 @@ Tensor TargetModel::logits_of(const Tensor& normed, const std::vector<int32_t>& 
 void TargetModel::argmax_of(const Tensor& normed, const std::vector<int32_t>& which, Tensor& ids) {
   check(ids.rows == static_cast<int64_t>(which.size()), "argmax_of: ", ids.rows, " ids for ", which.size(), " rows");
   if (which.empty()) return;
-  // Up to 32 rows the ranks' logits travel while the lm_head product runs (pushed, on GPUs), and
-  // gathering them cost less than exchanging candidates after it: the 8B-shaped DFlash step at
-  // batch 1 (16 and 15 rows) took 3.605 ms gathered, 3.628-3.646 exchanged; at batch 8 (128 and
-  // 120 rows) 6.68 and 6.29 ms (two H200s).
-  constexpr size_t kGatheredMaxRows = 32;
-  if (!vocab_split() || which.size() <= kGatheredMaxRows) {
+  if (!splits_vocabulary() || which.size() <= kGatheredMaxRows) {
     const Tensor logits = logits_of(normed, which);
     if (tp_rank_ == 0) be_.argmax_ids(logits, ids);  // the other ranks' ids are not read
     return;
   }
-  const Tensor picked = picked_rows(be_, normed, which);
+  argmax_of_parts(logits_part(normed, which), ids);
+}
+
+Tensor TargetModel::logits_part(const Tensor& normed, const std::vector<int32_t>& rows) {
+  const Tensor picked = picked_rows(be_, normed, rows);
   Tensor part = be_.alloc(picked.rows, w_.lm_head_part.rows);
-  be_.matmul(picked, w_.lm_head_part, nullptr, part);
-  Tensor cand = be_.alloc_f32(picked.rows, 2);
+  if (picked.rows > 0) be_.matmul(picked, w_.lm_head_part, nullptr, part);
+  return part;
+}
+
+void TargetModel::argmax_of_parts(const Tensor& part, Tensor& ids) {
+  if (part.rows == 0) return;
+  Tensor cand = be_.alloc_f32(part.rows, 2);
   be_.argmax_candidates(part, vocab_first_, cand);
   comm_->argmax_all(be_, cand, ids);
+}
+
+std::vector<TopCandidates> TargetModel::top_candidates(const std::vector<int32_t>& rows,
+                                                       const std::vector<float>& temperature,
+                                                       const std::vector<int32_t>& top_k) {
+  check(ranks_ && splits_vocabulary(), "internal: top candidates from parts without a vocabulary split");
+  std::vector<std::vector<TopCandidates>> parts(static_cast<size_t>(tensor_parallel()));
+  auto own = [&](TargetModel& m) {
+    std::vector<TopCandidates> c = m.be_.top_candidates(m.logits_part_, rows, temperature, top_k);
+    for (TopCandidates& r : c)
+      for (int32_t& id : r.ids) id += static_cast<int32_t>(m.vocab_first_);
+    parts[static_cast<size_t>(m.tp_rank_)] = std::move(c);
+  };
+  ranks_->run([&](int r) { own(ranks_->model(r)); }, [&] { own(*this); });
+  std::vector<TopCandidates> out(rows.size());
+  std::vector<TopCandidates> row_parts(parts.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (size_t r = 0; r < parts.size(); ++r) row_parts[r] = std::move(parts[r][i]);
+    out[i] = merge_top_candidates(row_parts, top_k[i]);
+  }
+  return out;
 }
 
 TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache& cache,
@@ -283,6 +310,10 @@ TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache&
   Tensor normed = run_decoder_layers(be_, cfg_, w_.layers, inv_freq_, w_.final_norm, x, in);
   if (head == Head::logits) out.logits = logits_of(normed, batch.logit_rows);
   if (head == Head::argmax) argmax_of(normed, batch.logit_rows, *argmax);
+  if (head == Head::parts) {
+    logits_part_ = logits_part(normed, batch.logit_rows);
+    if (argmax) argmax_of_parts(logits_part_, *argmax);
+  }
   captured_ = out.captured;
   return out;
 }

@@ -48,9 +48,17 @@ class TargetModel {
   // With tensor parallelism every rank captures the same layers (their residual streams hold the
   // same bits), and each keeps its own copy (captured()) for its share of the draft's context.
   // argmax (I32 [logit rows]): the argmax of every logits row goes there instead (argmax_of), and
-  // Output::logits stays empty.
+  // Output::logits stays empty. logit_parts (splits_vocabulary() only): no logits are gathered;
+  // each rank keeps its part of them for top_candidates, and argmax, when given, comes from the
+  // ranks' candidates at any number of rows.
   Output forward(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers = {},
-                 Tensor* argmax = nullptr);
+                 Tensor* argmax = nullptr, bool logit_parts = false);
+  // Whether the ranks hold parts of the vocabulary (tensor parallelism with lm_head split).
+  bool splits_vocabulary() const;
+  // Backend::top_candidates of rows of the last forward's logits, from the parts that a forward
+  // with logit_parts kept: each rank selects in its part, rank 0 merges (merge_top_candidates).
+  std::vector<TopCandidates> top_candidates(const std::vector<int32_t>& rows, const std::vector<float>& temperature,
+                                            const std::vector<int32_t>& top_k);
   // This rank's captured layer outputs of its last forward (forward's Output::captured on rank 0).
   const Tensor& captured() const { return captured_; }
   int tensor_parallel() const;
@@ -60,10 +68,16 @@ class TargetModel {
   // Logits of `rows` of final-normed hidden states through lm_head (the draft's too): with the
   // vocabulary split, this rank's part, gathered from every rank (which all call it together).
   Tensor logits_of(const Tensor& normed, const std::vector<int32_t>& rows);
+  // Up to this many rows a vocabulary split's logits are gathered rather than left in the ranks'
+  // parts: they travel while the lm_head product runs (pushed, on GPUs), which cost less than
+  // exchanging candidates after it. The 8B-shaped DFlash step at batch 1 (16 and 15 rows) took
+  // 3.605 ms gathered, 3.628-3.646 exchanged; at batch 8 (128 and 120 rows) 6.68 and 6.29 ms; a
+  // sampled serving sweep at 8 rows a step lost 2.5% with the parts (two H200s).
+  static constexpr size_t kGatheredMaxRows = 32;
   // ids (I32 [rows]) on rank 0 = Backend::argmax_ids of logits_of's rows (all ranks call it
-  // together). With the vocabulary split and more than 32 rows, from each rank's best over its
-  // part, exchanged and chosen (Communicator::argmax_all): no logits are gathered, and every rank
-  // gets the ids.
+  // together). With the vocabulary split and more than kGatheredMaxRows rows, from each rank's
+  // best over its part, exchanged and chosen (Communicator::argmax_all): no logits are gathered,
+  // and every rank gets the ids.
   void argmax_of(const Tensor& normed, const std::vector<int32_t>& rows, Tensor& ids);
   // Sums x (rank 0's, [rows, n_embd] in the activation type) with a tensor of its shape on every
   // other rank, as each layer does twice (bench-step times it). Nothing with one rank.
@@ -94,13 +108,18 @@ class TargetModel {
 
  private:
   TargetModel(Backend& be, const std::string& dir, std::unique_ptr<RankGroup> ranks);
-  // What a rank's forward computes from its final-normed rows.
-  enum class Head { none, logits, argmax };
+  // What a rank's forward computes from its final-normed rows: nothing, the logits (gathered with
+  // the vocabulary split), their argmax, or this rank's part of them kept (and the argmax, if
+  // asked, from the ranks' candidates).
+  enum class Head { none, logits, argmax, parts };
   Output forward_own(const ForwardBatch& batch, KvCache& cache, const std::vector<int>& capture_layers, Head head,
                      Tensor* argmax = nullptr);
   KvCache alloc_own_cache(int n_pages, int page_size, int n_state_slots, int tape_rows);
   void copy_own_state_slot(KvCache& cache, int32_t from, int32_t to);
-  bool vocab_split() const;
+  // This rank's part of the logits of `rows` of final-normed hidden states.
+  Tensor logits_part(const Tensor& normed, const std::vector<int32_t>& rows);
+  // ids = the argmax of the rows whose parts the ranks hold (each rank's best, exchanged).
+  void argmax_of_parts(const Tensor& part, Tensor& ids);
 
   Backend& be_;
   std::string dir_;
@@ -110,6 +129,7 @@ class TargetModel {
   std::vector<float> inv_freq_;
   std::vector<Tensor> expert_rows_;  // per layer: Backend::moe's expert_rows of the last forward
   Tensor captured_;                  // the last forward's captured layer outputs
+  Tensor logits_part_;               // the last forward's part of the logits (Head::parts)
   int64_t vocab_first_ = 0;          // the first id of the rank's part of the vocabulary
   int tp_rank_ = 0;
   std::unique_ptr<RankGroup> ranks_;  // tensor parallelism: ranks 1..; null for one rank

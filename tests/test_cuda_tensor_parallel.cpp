@@ -208,11 +208,12 @@ TEST_F(CudaTensorParallel, ServingWithGraphsOverTwoGpusEqualsGenerateOpByOp) {
 // holds the ranks' rows side by side, in rank order. Broadcasts: rank 0's tensor, also in runs of
 // broadcasts with nothing else between them (rank 0 then waits for nobody's data, only for the
 // other rank to have finished the call that last used the inbox half). Argmax (a vocabulary
-// split's, Communicator::argmax_all of each rank's Backend::argmax_candidates): every rank gets
-// the argmax of the whole rows, the lower id on ties (ties across the ranks included; "f32" marks
-// cases of few distinct values), 0 for rows with no value (-inf or NaN everywhere).
+// split's, Communicator::argmax_all of each rank's Backend::argmax_candidates, through the peer
+// kernel and through the fallback that gathers the candidates): every rank gets the argmax of the
+// whole rows, the lower id on ties (ties across the ranks included; "f32" marks cases of few
+// distinct values), 0 for rows with no value (-inf or NaN everywhere).
 TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
-  enum Kind { kSum, kGather, kBroadcast, kArgmax };
+  enum Kind { kSum, kGather, kBroadcast, kArgmax, kArgmaxGathered };
   struct Case {
     Kind kind;
     int64_t rows, cols;
@@ -239,7 +240,8 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
   }
   for (int i = 0; i < 4; ++i)
     for (const Case& k : std::vector<Case>{{kArgmax, 16, 75968, false}, {kArgmax, 15, 75968, true},
-                                           {kArgmax, 1, 75968, false}, {kArgmax, 5, 1000, true}, {kSum, 1, 4096, false}})
+                                           {kArgmax, 1, 75968, false}, {kArgmax, 5, 1000, true}, {kSum, 1, 4096, false},
+                                           {kArgmaxGathered, 40, 75968, false}, {kArgmaxGathered, 7, 1000, true}})
       cases.push_back(k);
 
   auto be0 = make_cuda_backend();
@@ -253,7 +255,7 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
       std::vector<float> x(static_cast<size_t>(k.rows * k.cols));
       for (float& v : x) v = u(rng);
       Communicator& comm = devices->comm(r);
-      if (k.kind == kArgmax) {
+      if (k.kind == kArgmax || k.kind == kArgmaxGathered) {
         std::uniform_int_distribution<int> few(-3, 3);
         if (k.f32) for (float& v : x) v = static_cast<float>(few(rng));
         const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
@@ -265,7 +267,8 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
         inputs[r].push_back(be.to_host(t));
         Tensor cand = be.alloc_f32(k.rows, 2), ids = be.alloc_ids(k.rows);
         be.argmax_candidates(t, r * k.cols, cand);
-        comm.argmax_all(be, cand, ids);
+        if (k.kind == kArgmax) comm.argmax_all(be, cand, ids);
+        else comm.Communicator::argmax_all(be, cand, ids);  // the fallback: candidates gathered, then chosen
         const std::vector<int32_t> got = be.ids_to_host(ids);
         outputs[r].emplace_back(got.begin(), got.end());
         continue;
@@ -298,7 +301,7 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
         want.push_back(bf16_to_f32(f32_to_bf16(inputs[0][c][i] + inputs[1][c][i])));
     } else if (k.kind == kBroadcast) {
       want = inputs[0][c];
-    } else if (k.kind == kArgmax) {  // over rank 0's row, then rank 1's
+    } else if (k.kind == kArgmax || k.kind == kArgmaxGathered) {  // over rank 0's row, then rank 1's
       for (int64_t i = 0; i < k.rows; ++i) {
         float best = -std::numeric_limits<float>::max();
         int64_t best_i = -1;

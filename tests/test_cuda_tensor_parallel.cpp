@@ -146,10 +146,11 @@ TEST_F(CudaTensorParallel, GenerationOverTwoGpusEqualsOneGpuOnTrainedPairs) {
 }
 
 // Serving three DFlash sequences over two GPUs (48 verification rows a step), two of them sampled
-// (top-k, and every entry) beside a greedy one: the sampled rows' candidates come from each rank's
-// part of the vocabulary, merged (no logits gathered), and give the tokens that the whole logits
-// give (generation with log-probabilities gathers them and chooses on the host); batch-invariant,
-// so that a row's logits do not depend on the rows beside it.
+// (top-k, and every entry) beside a greedy one, and generating sampled sequences alone (16 rows a
+// step, plain and DFlash): the sampled rows' candidates come from each rank's part of the
+// vocabulary, merged (no logits gathered), and give the tokens that the whole logits give
+// (generation with log-probabilities gathers them and chooses on the host); batch-invariant, so
+// that a row's logits do not depend on the rows beside it.
 TEST_F(CudaTensorParallel, SampledServingFromTheRanksPartsEqualsTheWholeLogitsOverTwoGpus) {
   const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
   EngineOptions eo;
@@ -180,6 +181,18 @@ TEST_F(CudaTensorParallel, SampledServingFromTheRanksPartsEqualsTheWholeLogitsOv
     go.sampling = sampling[i];
     go.logprobs = 0;
     EXPECT_EQ(got[i], engine.generate(prompts[i], go).tokens) << "prompt " << i;
+  }
+  for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
+    for (size_t i = 0; i < 2; ++i) {
+      GenerateOptions go;
+      go.max_tokens = 32;
+      go.mode = mode;
+      go.sampling = sampling[i];
+      const auto parts = engine.generate(prompts[i], go);
+      go.logprobs = 0;
+      EXPECT_EQ(parts.tokens, engine.generate(prompts[i], go).tokens)
+          << "prompt " << i << " alone" << (mode == SpeculativeMode::DFlash ? ", DFlash" : ", plain");
+    }
   }
 }
 

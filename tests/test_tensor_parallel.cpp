@@ -187,8 +187,10 @@ TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
   }
 }
 
-// Sampled generation over two ranks (one sequence: its logits gathered, at most 16 rows a step):
-// one rank's tokens, plain and DFlash (both schemes), with top-k and with every entry (top_k 0).
+// Sampled generation over two ranks (one sequence, at most 16 rows a step, no greedy rows: each
+// rank selects the candidates in its part of the logits, rank 0 merges them; the rejection
+// scheme's drafts come from the draft's gathered logits): one rank's tokens, plain and DFlash
+// (both schemes), with top-k and with every entry (top_k 0).
 TEST(TensorParallel, SampledGenerationOverTwoRanksEqualsOneRank) {
   const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
   EngineOptions eo;

@@ -104,7 +104,9 @@ Step StepRunner::prepare(const StepPlan& plan, bool force_fixed_shape) const {
     for (int32_t j = 1; j <= r.n_drafted; ++j) st.device_rows.push_back(r.first_row + j);
     if (st.fixed_shape && spec_) st.project_batch.add_sequence(zeros(block_), s.n_cached, s.pages);
   }
-  st.logit_parts = st.logit_parts && tb.logit_rows.size() > TargetModel::kGatheredMaxRows;
+  // Greedy rows among few would take their argmax from an exchange after the lm_head product,
+  // which costs more than the logits gathered while it runs.
+  st.logit_parts = st.logit_parts && (tb.logit_rows.size() > TargetModel::kGatheredMaxRows || !st.parts_argmax);
   st.parts_argmax = st.parts_argmax && st.logit_parts;
   return st;
 }

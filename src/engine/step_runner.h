@@ -67,11 +67,12 @@ struct Step {
   // the forward gives the argmax alone (TargetModel::argmax_of: with the vocabulary split and more
   // than 32 rows, no logits are gathered) and logits stays empty.
   bool argmax_only = false;
-  // Otherwise, with the target's vocabulary split over tensor-parallel ranks, more logits rows
-  // than TargetModel::kGatheredMaxRows and no sequence choosing on the host (logits processing,
-  // log-probabilities): the logits stay in the ranks' parts, the sampled rows' candidates come
-  // from them (TargetModel::top_candidates), the greedy rows' argmax (when there are any, as
-  // parts_argmax says) from the ranks' candidates, and logits stays empty.
+  // Otherwise, with the target's vocabulary split over tensor-parallel ranks and no sequence
+  // choosing on the host (logits processing, log-probabilities), where the step has no greedy
+  // sequence or more logits rows than TargetModel::kGatheredMaxRows: the logits stay in the
+  // ranks' parts, the sampled rows' candidates come from them (TargetModel::top_candidates), the
+  // greedy rows' argmax (when there are any, as parts_argmax says) from the ranks' candidates,
+  // and logits stays empty.
   bool logit_parts = false, parts_argmax = false;
   std::vector<int32_t> device_rows;  // target rows whose tokens are drafted on the device, in draft-row order
   // Filled by execute:

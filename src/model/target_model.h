@@ -72,7 +72,8 @@ class TargetModel {
   // parts: they travel while the lm_head product runs (pushed, on GPUs), which cost less than
   // exchanging candidates after it. The 8B-shaped DFlash step at batch 1 (16 and 15 rows) took
   // 3.605 ms gathered, 3.628-3.646 exchanged; at batch 8 (128 and 120 rows) 6.68 and 6.29 ms; a
-  // sampled serving sweep at 8 rows a step lost 2.5% with the parts (two H200s).
+  // sampled serving sweep at 8 rows a step lost 2.5% with its parts and an argmax exchange (two
+  // H200s). Sampled rows alone need no exchange: StepRunner keeps them in parts at any count.
   static constexpr size_t kGatheredMaxRows = 32;
   // ids (I32 [rows]) on rank 0 = Backend::argmax_ids of logits_of's rows (all ranks call it
   // together). With the vocabulary split and more than kGatheredMaxRows rows, from each rank's

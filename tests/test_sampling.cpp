@@ -141,17 +141,23 @@ TEST(Sampling, TopCandidatesAreTheTopKWithTiesAndNoNaN) {
 // A row split into parts (tensor-parallel ranks' vocabularies): the parts' selections merged are
 // the whole row's, ties at the threshold spread over the parts included.
 TEST(Sampling, TopCandidatesOfPartsMergeIntoTheRowsSelection) {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = std::random_device{}();
+  std::mt19937 rng(seed);
   for (int n : {7, 100, 5000}) {
-    for (int trial = 0; trial < 4; ++trial) {
+    for (int trial = 0; trial < 6; ++trial) {
       auto logits = random_logits(n, rng);
       for (float& v : logits) v = std::round(v * 2) / 2;  // many ties
       if (trial == 3)
         for (int i = 0; i < n; i += 2) logits[static_cast<size_t>(i)] = NAN;  // fewer finite entries than k
+      if (trial == 4)  // -inf in every part, more of it than finite entries: the k-th largest is -inf
+        for (int i = 0; i < n; ++i)
+          if (i % 4 != 0) logits[static_cast<size_t>(i)] = -INFINITY;
+      if (trial == 5)  // a first part of NaN alone
+        for (int i = 0; i < (n + 1) / 2; ++i) logits[static_cast<size_t>(i)] = NAN;
       logits[1] = -INFINITY;
       const float t = trial == 1 ? 0.6f : 1.0f;
       for (int n_parts : {2, 3, 4}) {
-        for (int k : {0, 1, 3, 20, n / 2, n - 1, n}) {
+        for (int k : {-1, 0, 1, 3, 20, n / 2, n - 1, n}) {
           std::vector<TopCandidates> parts;
           for (int p = 0; p < n_parts; ++p) {
             const int lo = n * p / n_parts, hi = n * (p + 1) / n_parts;
@@ -161,8 +167,11 @@ TEST(Sampling, TopCandidatesOfPartsMergeIntoTheRowsSelection) {
           }
           const TopCandidates want = select_top_candidates(logits.data(), n, t, k);
           const TopCandidates got = merge_top_candidates(parts, k);
-          ASSERT_EQ(got.ids, want.ids) << "n " << n << " parts " << n_parts << " k " << k << " trial " << trial;
-          ASSERT_EQ(got.x, want.x) << "n " << n << " parts " << n_parts << " k " << k;
+          const std::string what = "seed " + std::to_string(seed) + ", n " + std::to_string(n) + ", parts " +
+                                   std::to_string(n_parts) + ", k " + std::to_string(k) + ", trial " +
+                                   std::to_string(trial);
+          ASSERT_EQ(got.ids, want.ids) << what;
+          ASSERT_EQ(got.x, want.x) << what;
         }
       }
     }

@@ -47,7 +47,8 @@ Step StepRunner::prepare(const StepPlan& plan, bool force_fixed_shape) const {
     st.parts_argmax = st.parts_argmax || s.sampling.greedy();
   };
   for (const auto& d : plan.decodes) take(*d.seq);
-  for (const auto& p : plan.prefills) take(*p.seq);
+  for (const auto& p : plan.prefills)  // a prompt's chunk that chooses no token asks nothing of the logits
+    if (p.seq->n_cached + p.n_tokens == static_cast<int32_t>(p.seq->tokens.size())) take(*p.seq);
   st.logit_parts = st.logit_parts && !st.argmax_only;
   bool whole_blocks = plan.prefills.empty() && !plan.decodes.empty();
   for (const auto& d : plan.decodes)
@@ -200,8 +201,11 @@ void StepRunner::postprocess(Step& st, StepCounters& c) {
                                         const std::vector<int32_t>& top_k) {
     return m_.target->top_candidates(rows, temperature, top_k);
   };
-  const std::vector<BlockResult> results =
-      verify_blocks(*m_.be, st.logits, blocks, scheme_, &argmax, st.logit_parts ? &from_parts : nullptr);
+  // A step in parts without greedy rows computed no argmax.
+  const bool argmax_known = !st.logit_parts || st.parts_argmax;
+  const std::vector<BlockResult> results = verify_blocks(*m_.be, st.logits, blocks, scheme_,
+                                                         argmax_known ? &argmax : nullptr,
+                                                         st.logit_parts ? &from_parts : nullptr);
 
   // Commit. The draft context of the committed rows: projected in the forward already
   // (fixed-shape), else gathered from the captured features and projected here.

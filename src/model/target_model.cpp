@@ -266,6 +266,7 @@ std::vector<TopCandidates> TargetModel::top_candidates(const std::vector<int32_t
   std::vector<std::vector<TopCandidates>> parts(static_cast<size_t>(tensor_parallel()));
   auto own = [&](TargetModel& m) {
     std::vector<TopCandidates> c = m.be_.top_candidates(m.logits_part_, rows, temperature, top_k);
+    m.logits_part_ = Tensor{};  // read once: the step's memory is not held past its choice
     for (TopCandidates& r : c)
       for (int32_t& id : r.ids) id += static_cast<int32_t>(m.vocab_first_);
     parts[static_cast<size_t>(m.tp_rank_)] = std::move(c);
@@ -289,6 +290,7 @@ TargetModel::Output TargetModel::forward_own(const ForwardBatch& batch, KvCache&
   check(batch.page_size == cache.page_size, "forward batch page size differs from the cache's");
   const int64_t n = batch.n_rows();
   Output out;
+  logits_part_ = Tensor{};  // a part the last step left unread is not kept beside this forward's
   Tensor x = be_.alloc_f32(n, cfg_.n_embd);  // the residual stream, float32
   be_.embed(w_.embed, batch.token_ids, x, batch.device_tokens());
   StackInputs in;

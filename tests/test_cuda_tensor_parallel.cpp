@@ -2,7 +2,7 @@
 // greedy equals plain greedy over two GPUs token for token; generation over two GPUs gives one
 // GPU's tokens on the trained pairs; serving with CUDA graphs (every rank's part captured,
 // restaged and replayed with rank 0's) equals generation op by op; sampled tokens from the ranks'
-// parts of the logits (served steps of more than 32 rows) equal those of the whole logits.
+// parts of the logits (served steps, and sequences alone) equal those of the whole logits.
 // Skipped without two GPUs (scripts/device-test.sh STEPS=tp on a two-GPU kind).
 #include <gtest/gtest.h>
 

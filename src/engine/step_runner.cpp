@@ -12,6 +12,11 @@ namespace {
 
 std::vector<int32_t> zeros(int32_t n) { return std::vector<int32_t>(static_cast<size_t>(n), 0); }
 
+// Whether a prompt's chunk is its last, whose final row chooses the first token.
+bool chooses_token(const StepPlan::Prefill& p) {
+  return p.seq->n_cached + p.n_tokens == static_cast<int32_t>(p.seq->tokens.size());
+}
+
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -48,7 +53,7 @@ Step StepRunner::prepare(const StepPlan& plan, bool force_fixed_shape) const {
   };
   for (const auto& d : plan.decodes) take(*d.seq);
   for (const auto& p : plan.prefills)  // a prompt's chunk that chooses no token asks nothing of the logits
-    if (p.seq->n_cached + p.n_tokens == static_cast<int32_t>(p.seq->tokens.size())) take(*p.seq);
+    if (chooses_token(p)) take(*p.seq);
   st.logit_parts = st.logit_parts && !st.argmax_only;
   bool whole_blocks = plan.prefills.empty() && !plan.decodes.empty();
   for (const auto& d : plan.decodes)
@@ -64,7 +69,7 @@ Step StepRunner::prepare(const StepPlan& plan, bool force_fixed_shape) const {
     r.seq = p.seq;
     r.prefill = true;
     r.n_rows = p.n_tokens;
-    r.chooses = p.seq->n_cached + p.n_tokens == static_cast<int32_t>(p.seq->tokens.size());
+    r.chooses = chooses_token(p);
     st.seqs.push_back(std::move(r));
   }
   for (const auto& d : plan.decodes) {

@@ -128,11 +128,19 @@ __global__ void __launch_bounds__(kRowThreads)
   pdl_begin();
   const int64_t r = blockIdx.x;
   if (kAdd && push.n_ranks > 1) {
-    const uint64_t call = pushed_call(push);
-    const uint32_t flag = static_cast<uint32_t>(call);
-    const int64_t first = static_cast<int64_t>(call & 1) * kPushMaxWords + r * cols / 2;  // the row's first word
+    // The row's weights, residual and this rank's share are requested before the call's number
+    // (one round trip for all of them), and the row is normalized from registers.
+    RowPieces row;
+    load_row_pieces(res + r * res_stride, w, cols, row);
     auto* d = reinterpret_cast<uint4*>(const_cast<bf16*>(delta + r * delta_stride));
     const int n_vec = cols / 8;  // norm_row's pieces of 8 values (4 words); this thread's: threadIdx.x + k * kRowThreads
+    uint4 own[kVecPerThread];
+#pragma unroll
+    for (int k = 0; k < kVecPerThread; ++k)
+      if (threadIdx.x + k * kRowThreads < n_vec) own[k] = d[threadIdx.x + k * kRowThreads];
+    const ReceivedCall rc = receive_pushed_call(push);
+    const uint32_t flag = static_cast<uint32_t>(rc.call);
+    const int64_t first = static_cast<int64_t>(rc.call & 1) * kPushMaxWords + r * cols / 2;  // the row's first word
     float acc[kVecPerThread][8] = {};
     for (int q = 0; q < push.n_ranks; ++q) {
       uint4 got[kVecPerThread][2];  // two 16-byte halves of a piece; every load in flight before any wait
@@ -142,9 +150,8 @@ __global__ void __launch_bounds__(kRowThreads)
         const int i = threadIdx.x + k * kRowThreads;
         if (i >= n_vec) continue;
         if (q == push.rank) {
-          const uint4 own = d[i];
-          got[k][0] = {own.x, flag, own.y, flag};
-          got[k][1] = {own.z, flag, own.w, flag};
+          got[k][0] = {own[k].x, flag, own[k].y, flag};
+          got[k][1] = {own[k].z, flag, own[k].w, flag};
         } else {
           got[k][0] = load_volatile16(from + 2 * i);
           got[k][1] = load_volatile16(from + 2 * i + 1);
@@ -165,12 +172,19 @@ __global__ void __launch_bounds__(kRowThreads)
         }
       }
     }
+    uint4 sum[kVecPerThread];
 #pragma unroll
     for (int k = 0; k < kVecPerThread; ++k) {
       const int i = threadIdx.x + k * kRowThreads;
-      if (i < n_vec) d[i] = pack8(acc[k]);
+      sum[k] = pack8(acc[k]);
+      if (i < n_vec) d[i] = sum[k];
     }
-    pushed_call_done(push, call);
+    bf16* o = out + r * out_stride;
+    norm_loaded_row(row, sum, res_out + r * res_out_stride, eps, cols,
+                    [&](int i, const uint4& y) { *reinterpret_cast<uint4*>(o + 8 * i) = y; },
+                    cap ? cap + r * cap_stride : nullptr);
+    received_call_done(push, rc);
+    return;
   }
   if (kAdd && sum.y.data) {
     auto* d = const_cast<bf16*>(delta + r * delta_stride);

@@ -182,14 +182,15 @@ constexpr int kPushThreads = 256;
 // word, so that a block's loads are all in flight at once.
 __global__ void __launch_bounds__(kPushThreads) pushed_sum_kernel(PeerPush p, uint32_t* t, int64_t words) {
   pdl_begin();  // the product (and every earlier sum) is complete
-  const uint64_t call = pushed_call(p);
-  const uint32_t flag = static_cast<uint32_t>(call);
-  const int64_t half = static_cast<int64_t>(call & 1) * kPushMaxWords;
   const int64_t w = int64_t{blockIdx.x} * kPushThreads + threadIdx.x;
+  const uint32_t own = w < words ? t[w] : 0u;  // requested before the call's number, its round trip beside that one
+  const ReceivedCall rc = receive_pushed_call(p);
+  const uint32_t flag = static_cast<uint32_t>(rc.call);
+  const int64_t half = static_cast<int64_t>(rc.call & 1) * kPushMaxWords;
   if (w < words) {
     float s0 = 0.0f, s1 = 0.0f;
     for (int q = 0; q < p.n_ranks; ++q) {
-      const uint32_t d = q == p.rank ? t[w] : load_flagged(p.from[q] + half + w, flag, p.stop);
+      const uint32_t d = q == p.rank ? own : load_flagged(p.from[q] + half + w, flag, p.stop);
       const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&d));
       s0 += x.x;
       s1 += x.y;
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kPushThreads) pushed_sum_kernel(PeerPush p, ui
     const __nv_bfloat162 y = __floats2bfloat162_rn(s0, s1);
     t[w] = *reinterpret_cast<const uint32_t*>(&y);
   }
-  pushed_call_done(p, call);
+  received_call_done(p, rc);
 }
 
 // The peers' words (the j-th peer: rank j, or j + 1 from this rank on) into their columns of all:
@@ -205,7 +206,8 @@ __global__ void __launch_bounds__(kPushThreads) pushed_sum_kernel(PeerPush p, ui
 __global__ void __launch_bounds__(kPushThreads) pushed_gather_kernel(PeerPush p, uint32_t* all, int64_t rows,
                                                                      int64_t row_words, int64_t all_row_words) {
   pdl_begin();  // the product (and every earlier exchange) is complete
-  const uint64_t call = pushed_call(p);
+  const ReceivedCall rc = receive_pushed_call(p);
+  const uint64_t call = rc.call;
   const int64_t words = rows * row_words;
   const int64_t i = int64_t{blockIdx.x} * kPushThreads + threadIdx.x;
   if (i < (p.n_ranks - 1) * words) {
@@ -215,7 +217,7 @@ __global__ void __launch_bounds__(kPushThreads) pushed_gather_kernel(PeerPush p,
     const int64_t half = static_cast<int64_t>(call & 1) * kPushMaxWords;
     all[row * all_row_words + q * row_words + (w - row * row_words)] = load_flagged(p.from[q] + half + w, flag, p.stop);
   }
-  pushed_call_done(p, call);
+  received_call_done(p, rc);
 }
 
 }  // namespace

@@ -66,22 +66,34 @@ __device__ __forceinline__ void push_word(const PeerPush& p, uint64_t call, int6
     if (q != p.rank) store_flagged(p.to[q] + at, word, static_cast<uint32_t>(call));
 }
 
-// A pushed exchange's call number, read by every block of a kernel that receives it (thread 0
-// reads it; the whole block must call this).
-__device__ __forceinline__ uint64_t pushed_call(const PeerPush& p) {
+// A pushed exchange's call number as a receiving kernel's block has it: thread 0 reads the
+// number, then counts the block in (`arrived`: the blocks counted before it; thread 0's only).
+struct ReceivedCall {
+  uint64_t call;
+  unsigned arrived;
+};
+
+// Read by every block of a kernel that receives a pushed exchange (the whole block must call
+// this). The count's answer is awaited only in received_call_done, so its round trip goes under
+// the block's own work; the number is read before the block is counted (its value is stored
+// before the atomic is issued), so no block can advance it before every block has it.
+__device__ __forceinline__ ReceivedCall receive_pushed_call(const PeerPush& p) {
   __shared__ uint64_t call_s;
-  if (threadIdx.x == 0) call_s = *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
+  unsigned arrived = 0;
+  if (threadIdx.x == 0) {
+    call_s = *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
+    arrived = atomicAdd(p.done, 1u);
+  }
   __syncthreads();
-  return call_s;
+  return {call_s, arrived};
 }
 
-// The call received: the last block of the kernel to get here advances the count, so that the
-// next product (which waits for this kernel) reads the new number.
-__device__ __forceinline__ void pushed_call_done(const PeerPush& p, uint64_t call) {
-  __syncthreads();  // thread 0 read the call's number before any block can advance it
-  if (threadIdx.x == 0 && atomicAdd(p.done, 1u) == gridDim.x - 1) {
+// At the end of a receiving block: the last block counted advances the number, so that the next
+// product (which waits for this kernel) reads its successor.
+__device__ __forceinline__ void received_call_done(const PeerPush& p, const ReceivedCall& c) {
+  if (threadIdx.x == 0 && c.arrived == gridDim.x - 1) {
     *p.done = 0;
-    *reinterpret_cast<volatile uint64_t*>(p.calls) = call;
+    *reinterpret_cast<volatile uint64_t*>(p.calls) = c.call;
   }
 }
 

@@ -57,6 +57,24 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
   *reinterpret_cast<float4*>(p + 4) = make_float4(f[4], f[5], f[6], f[7]);
 }
 
+// v += delta's 8 values (a piece, packed bf16), rounded to bf16 when the residual stream R is.
+template <typename R>
+__device__ __forceinline__ void add_piece(float (&v)[8], const uint4& delta) {
+  float dd[8];
+  unpack8(delta, dd);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = sizeof(R) == 4 ? v[e] + dd[e] : round_bf(v[e] + dd[e]);
+}
+
+// w * v * scale for a piece, rounded once to bf16 and packed.
+__device__ __forceinline__ uint4 normalized_piece(const uint4& w, const float (&v)[8], float scale) {
+  float wf[8], y[8];
+  unpack8(w, wf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) y[e] = wf[e] * (v[e] * scale);
+  return pack8(y);
+}
+
 // Rows t < n (n <= G) of `cols` values (cols % 8 == 0, cols <= kRowThreads * 8 * P, 16-byte
 // aligned rows), all kRowThreads threads of the block taking part; row t of each operand starts
 // t strides after its first row. The residual stream R is float32 (the model's) or bf16:
@@ -72,7 +90,6 @@ __device__ __forceinline__ void norm_rows(int n, const R* res, int64_t res_strid
                                           int64_t delta_stride, R* res_out, int64_t res_out_stride, const uint16_t* w,
                                           float eps, int cols, Store store, uint16_t* cap = nullptr,
                                           int64_t cap_stride = 0) {
-  constexpr bool kF32 = sizeof(R) == 4;
   const int n_vec = cols / 8;
   float v[G][P][8];
   uint4 dv[G][P], wv[P];
@@ -101,12 +118,7 @@ __device__ __forceinline__ void norm_rows(int n, const R* res, int64_t res_strid
     for (int k = 0; k < P; ++k) {
       const int i = threadIdx.x + k * kRowThreads;
       if (i >= n_vec) continue;
-      if constexpr (kAdd) {
-        float dd[8];
-        unpack8(dv[t][k], dd);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[t][k][e] = kF32 ? v[t][k][e] + dd[e] : round_bf(v[t][k][e] + dd[e]);
-      }
+      if constexpr (kAdd) add_piece<R>(v[t][k], dv[t][k]);
       if (res_out) store8(res_out + t * res_out_stride + 8 * i, v[t][k]);
       if (cap) store8(cap + t * cap_stride + 8 * i, v[t][k]);
 #pragma unroll
@@ -122,11 +134,7 @@ __device__ __forceinline__ void norm_rows(int n, const R* res, int64_t res_strid
     for (int k = 0; k < P; ++k) {
       const int i = threadIdx.x + k * kRowThreads;
       if (i >= n_vec) continue;
-      float wf[8], y[8];
-      unpack8(wv[k], wf);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) y[e] = wf[e] * (v[t][k][e] * scale);
-      store(t, i, pack8(y));
+      store(t, i, normalized_piece(wv[k], v[t][k], scale));
     }
   }
 }
@@ -137,6 +145,49 @@ __device__ __forceinline__ void norm_row(const R* res, const uint16_t* delta, R*
                                          int cols, Store store, uint16_t* cap = nullptr) {
   norm_rows<1, kVecPerThread, kAdd>(1, res, 0, delta, 0, res_out, 0, w, eps, cols,
                                     [&](int, int i, const uint4& y) { store(i, y); }, cap);
+}
+
+// norm_row in two parts, for a caller with other round trips to make while the row's loads are
+// in flight (the ranks' words of a sum): load_row_pieces requests the weights and the residual
+// row; norm_loaded_row adds delta's pieces, given in registers, and does norm_rows' arithmetic
+// (the same bits as norm_row reading that delta from memory).
+struct RowPieces {
+  float v[kVecPerThread][8];  // the residual row, this thread's pieces threadIdx.x + k * kRowThreads
+  uint4 w[kVecPerThread];     // the norm weights' pieces
+};
+
+template <typename R>
+__device__ __forceinline__ void load_row_pieces(const R* res, const uint16_t* w, int cols, RowPieces& p) {
+#pragma unroll
+  for (int k = 0; k < kVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i >= cols / 8) continue;
+    p.w[k] = __ldg(reinterpret_cast<const uint4*>(w + 8 * i));
+    load8(res + 8 * i, p.v[k]);
+  }
+}
+
+template <typename R, typename Store>
+__device__ __forceinline__ void norm_loaded_row(RowPieces& p, const uint4 (&delta)[kVecPerThread], R* res_out,
+                                                float eps, int cols, Store store, uint16_t* cap) {
+  float ss[1] = {0.0f};
+#pragma unroll
+  for (int k = 0; k < kVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i >= cols / 8) continue;
+    add_piece<R>(p.v[k], delta[k]);
+    if (res_out) store8(res_out + 8 * i, p.v[k]);
+    if (cap) store8(cap + 8 * i, p.v[k]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss[0] += p.v[k][e] * p.v[k][e];
+  }
+  block_sums<1>(ss);
+  const float scale = rsqrtf(ss[0] / static_cast<float>(cols) + eps);
+#pragma unroll
+  for (int k = 0; k < kVecPerThread; ++k) {
+    const int i = threadIdx.x + k * kRowThreads;
+    if (i < cols / 8) store(i, normalized_piece(p.w[k], p.v[k], scale));
+  }
 }
 
 // Rows of `cols` values fit norm_row: every row start of every operand 16-byte aligned.

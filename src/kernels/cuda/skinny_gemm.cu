@@ -223,6 +223,11 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
     const int M = o.M;
     if (!issued) issue_first(o, false);
     if (wait) pdl_begin();
+    // A pushing product's exchange number, read once its wait is over and used by the epilogue:
+    // the read's round trip goes under the stream instead of before the first word's push.
+    [[maybe_unused]] uint64_t call = 0;
+    if constexpr (!kSwiglu && !kRouted && !kNorm)
+      if (push.n_ranks > 1) call = push_call(push);
     if constexpr (kNorm) {
       // The weights above are on their way while the rows are normalized, 4 pieces of rows a
       // thread at once (4 rows of up to 2048 values, 2 of 4096), so that a few rows cost one round
@@ -314,7 +319,6 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       if (push.n_ranks > 1) {
         // A thread takes two adjacent features of a token (the same sums as below, rounded
         // together): one 4-byte word here and, flagged, in every peer's inbox.
-        const uint64_t call = push_call(push);
         for (int e = threadIdx.x; e < RT * 8 * MT * 8; e += kWarps * 32) {
           const int token = e % (MT * 8), f = 2 * (e / (MT * 8));  // f: the pair's first feature in the block
           const int64_t feature = o.n0 + f;

@@ -365,7 +365,9 @@ TEST_F(CudaTensorParallel, PushedProductsAreSummedAndGatheredExactly) {
   const std::vector<Case> shapes = {{1, 2048, 4096, false, true},  {16, 2048, 4096, false, true},
                                     {32, 1536, 4096, true, true},  {3, 512, 1000, true, true},
                                     {7, 256, 2048, false, true},   {40, 512, 4096, false, false},
-                                    {32, 256, 70000, false, false}, {1, 6144, 4096, true, true}};
+                                    {32, 256, 70000, false, false}, {1, 6144, 4096, true, true},
+                                    // rows of 5120 and 8192: the RMSNorm that adds the ranks' words with 3 and 4 pieces a thread
+                                    {16, 512, 5120, false, true},  {9, 256, 8192, true, true}};
   std::vector<Case> cases;
   for (int round = 0; round < 3; ++round) cases.insert(cases.end(), shapes.begin(), shapes.end());
   auto be0 = make_cuda_backend();

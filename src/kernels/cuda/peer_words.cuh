@@ -74,17 +74,14 @@ struct ReceivedCall {
 };
 
 // Read by every block of a kernel that receives a pushed exchange (the whole block must call
-// this). The count's answer is awaited only in received_call_done, so its round trip goes under
-// the block's own work; the number is read before the block is counted (its value is stored
-// before the atomic is issued), so no block can advance it before every block has it.
+// this). The block is counted only after the barrier, which the number's read has completed by,
+// so no block can advance the number before every block has it; the count's answer is awaited
+// only in received_call_done, so its round trip goes under the block's own work.
 __device__ __forceinline__ ReceivedCall receive_pushed_call(const PeerPush& p) {
   __shared__ uint64_t call_s;
-  unsigned arrived = 0;
-  if (threadIdx.x == 0) {
-    call_s = *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
-    arrived = atomicAdd(p.done, 1u);
-  }
+  if (threadIdx.x == 0) call_s = *reinterpret_cast<const volatile uint64_t*>(p.calls) + 1;
   __syncthreads();
+  const unsigned arrived = threadIdx.x == 0 ? atomicAdd(p.done, 1u) : 0u;
   return {call_s, arrived};
 }
 

@@ -9,7 +9,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "engine/engine.h"
 #include "engine/serving.h"
@@ -155,20 +157,31 @@ TEST(TensorParallel, AFailingRankStopsTheOthers) {
   EXPECT_NE(errors[0].find("page size"), std::string::npos) << errors[0];
 }
 
+// A fixture pair (expected/NAME.json) in an engine over one rank and in one over two, and its prompts.
+struct OneAndTwoRanks {
+  explicit OneAndTwoRanks(const std::string& name) {
+    const auto meta = test::read_json(fixture("expected/" + name + ".json"));
+    EngineOptions eo;
+    eo.model_dir = fixture(meta["target"].get<std::string>());
+    eo.draft_dir = fixture(meta["draft"].get<std::string>());
+    one = std::make_unique<Engine>(eo);
+    eo.tensor_parallel = 2;
+    two = std::make_unique<Engine>(eo);
+    prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+  }
+  std::unique_ptr<Engine> one, two;
+  std::vector<std::vector<int32_t>> prompts;
+};
+
 // The engine over a 2-rank target (rank 0 in the engine, rank 1 on its own thread): plain and
 // DFlash greedy generation give the tokens of one rank, for a dense and a hybrid pair. The
 // drafts are accepted as often as one rank's: the split draft (its context projected by both
 // ranks) drafts as the whole one does, which equal tokens alone would not show.
 TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
   for (const char* name : {"trained_qwen3", "qwen3_5_tied"}) {
-    const auto meta = test::read_json(fixture(std::string("expected/") + name + ".json"));
-    EngineOptions eo;
-    eo.model_dir = fixture(meta["target"].get<std::string>());
-    eo.draft_dir = fixture(meta["draft"].get<std::string>());
-    Engine one(eo);
-    eo.tensor_parallel = 2;
-    Engine two(eo);
-    const auto prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+    const OneAndTwoRanks pair(name);
+    Engine &one = *pair.one, &two = *pair.two;
+    const auto& prompts = pair.prompts;
     for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
       GenerateOptions go;
       go.max_tokens = 24;
@@ -192,14 +205,9 @@ TEST(TensorParallel, GenerationOverTwoRanksEqualsOneRank) {
 // scheme's drafts come from the draft's gathered logits): one rank's tokens, plain and DFlash
 // (both schemes), with top-k and with every entry (top_k 0).
 TEST(TensorParallel, SampledGenerationOverTwoRanksEqualsOneRank) {
-  const auto meta = test::read_json(fixture("expected/trained_qwen3.json"));
-  EngineOptions eo;
-  eo.model_dir = fixture(meta["target"].get<std::string>());
-  eo.draft_dir = fixture(meta["draft"].get<std::string>());
-  Engine one(eo);
-  eo.tensor_parallel = 2;
-  Engine two(eo);
-  const auto prompts = meta["prompts"].get<std::vector<std::vector<int32_t>>>();
+  const OneAndTwoRanks pair("trained_qwen3");
+  Engine &one = *pair.one, &two = *pair.two;
+  const auto& prompts = pair.prompts;
   for (SpeculativeMode mode : {SpeculativeMode::None, SpeculativeMode::DFlash}) {
     for (SpecSampling scheme : {SpecSampling::Match, SpecSampling::Rejection}) {
       if (mode == SpeculativeMode::None && scheme == SpecSampling::Rejection) continue;

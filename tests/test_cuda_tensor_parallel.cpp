@@ -215,7 +215,7 @@ TEST_F(CudaTensorParallel, ServingWithGraphsOverTwoGpusEqualsGenerateOpByOp) {
 
 // Two ranks run a sequence of collectives of changing kinds, types and sizes, through the peer
 // kernels (up to their limits, whole and partial blocks, calls alternating halves of the inboxes)
-// and through NCCL beyond them (sizes or rows not a multiple of 4 bytes, all-reduces over 512 KiB,
+// and through NCCL beyond them (sizes or rows not a multiple of 4 bytes, all-reduces over 2 MiB,
 // gathers and broadcasts over 4 MiB or over what the GPU holds at once). Sums: every element is
 // the float32 sum of the two bf16 values rounded once, the same on both ranks. Gathers: each row
 // holds the ranks' rows side by side, in rank order. Broadcasts: rank 0's tensor, also in runs of
@@ -238,7 +238,8 @@ TEST_F(CudaTensorParallel, CollectivesGiveEveryRankTheSameWords) {
                              {kGather, 1, 75968, false},  {kGather, 3, 5, true},      {kGather, 2, 7, false},
                              {kGather, 32, 75968, false}, {kGather, 1, 3, false},     {kBroadcast, 16, 4096, false},
                              {kBroadcast, 1, 16, true},   {kBroadcast, 1, 5, false},  {kBroadcast, 300, 4096, false},
-                             {kBroadcast, 600, 4096, false}};
+                             {kBroadcast, 600, 4096, false}, {kSum, 256, 4096, false}, {kSum, 257, 4096, false},
+                             {kSum, 256, 4096, false}};
   // Sizes that change from call to call, with nothing but the collectives between the ranks (each
   // rank only waits for its own copies): a call must never overwrite what a peer's previous call
   // is still reading, whatever the two sizes.
@@ -483,8 +484,8 @@ TEST_F(CudaTensorParallel, PushedProductsAreSummedAndGatheredExactly) {
 
 // A routed MLP split over two GPUs (Communicator::norm_moe_all_reduce: each rank holds its share
 // of every expert's features, the router whole): the MLP's last kernel (the one-token down kernel
-// at one row, else the combine) sends its output to the peer as its blocks finish; outputs larger
-// than the peer all-reduce takes go through NCCL after the MLP. Every rank must get the float32 sum
+// at one row, else the combine) sends its output to the peer as its blocks finish; outputs over
+// 512 KiB are summed by the all-reduce after the MLP. Every rank must get the float32 sum
 // of the ranks' own outputs rounded once, and the sum left to the next norm (RankSum: the RMSNorm
 // kernel, or a summing kernel before a normalizing product) that norm's bits.
 TEST_F(CudaTensorParallel, PushedRoutedMlpIsSummedExactly) {
@@ -493,7 +494,7 @@ TEST_F(CudaTensorParallel, PushedRoutedMlpIsSummedExactly) {
     int h, n_experts, top_k, ff;
     bool f32, pushed;
   };
-  // 200 rows of 2048 (800 KB) are more than the peer all-reduce takes: the MLP, then NCCL's sum.
+  // 200 rows of 2048 (800 KB) are more than the MLP sends: the MLP, then the all-reduce's sum.
   const std::vector<Case> cases = {{1, 2048, 128, 8, 384, true, true},  {16, 2048, 128, 8, 384, true, true},
                                    {1, 256, 16, 4, 64, false, true},    {5, 512, 40, 6, 96, true, true},
                                    {200, 2048, 128, 8, 384, true, false}, {1, 2048, 128, 8, 384, true, true},

@@ -124,7 +124,7 @@ void CudaBackend::norm_moe(const ResidualNorm& n, Tensor& h, const MoeWeights& w
 // At tensor parallelism each rank's routed MLP is its share of every expert's features: its
 // output goes to the peers from the kernel that writes it, so the words travel while the other
 // blocks still run, and the ranks' shares are added by the next norm (RankSum) or a summing kernel.
-// Outputs that the peer all-reduce would not take (prefill chunks) keep the all-reduce (NCCL's).
+// Outputs over kPeerAllReduceMaxBytes (prefill chunks) are summed after the MLP by the all-reduce.
 bool CudaBackend::norm_moe_pushing(const ResidualNorm& n, Tensor& h, const MoeWeights& w, Tensor& out,
                                    Tensor* expert_rows, MoeScratch* scratch, const PeerPush& push) {
   if (out.dtype != DType::BF16 || out.stride != out.cols || out.rows * out.cols * 2 > kPeerAllReduceMaxBytes ||

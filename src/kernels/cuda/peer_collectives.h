@@ -18,7 +18,15 @@ namespace dflash::cuda {
 
 constexpr int kPeerMaxRanks = 8;
 constexpr int64_t kPeerMaxBytes = int64_t{4} << 20;           // a rank's data in one call; more goes through NCCL
-constexpr int64_t kPeerAllReduceMaxBytes = int64_t{512} << 10;  // all-reduces beyond: NCCL's ring is as fast
+// The peer all-reduce's limit: 2 MiB over two ranks, 512 KiB over more (each rank sends its whole
+// tensor to every peer), NCCL's ring beyond. Two H200s, DFlash batch 16 (sums of 256 rows, 2 MiB):
+// 9.54 -> 9.10 ms a step against NCCL; at 1 MiB the two take the same (19.4 and 20.1 us), at 4 MiB
+// (DFlash batch 32) NCCL is slightly faster (bench/results, "the peer all-reduce up to 2 MiB").
+constexpr int64_t kPeerAllReduceMaxBytes = int64_t{512} << 10;
+constexpr int64_t kPeerAllReduceTwoRanksMaxBytes = int64_t{2} << 20;
+constexpr int64_t peer_all_reduce_max_bytes(int n_ranks) {
+  return n_ranks == 2 ? kPeerAllReduceTwoRanksMaxBytes : kPeerAllReduceMaxBytes;
+}
 constexpr int64_t kPeerMaxWords = kPeerMaxBytes / 4;          // 4-byte data words
 // Data words a block moves (8 KiB: a 16-row step of 4096 bf16 features takes 16 blocks), the same in every call.
 constexpr int64_t kPeerBlockWords = 2048;
@@ -64,7 +72,7 @@ void launch_peer_pushed_gather(const PeerPush& p, bf16* all, int64_t rows, int64
                                cudaStream_t s);
 
 // Every rank calls the same collectives in the same order with the same sizes. What fits: bytes a
-// multiple of 4, at most max_bytes (kPeerMaxBytes, all-reduce: kPeerAllReduceMaxBytes) and what the
+// multiple of 4, at most max_bytes (kPeerMaxBytes, all-reduce: peer_all_reduce_max_bytes) and what the
 // GPU holds at once (a block waits for the same block of the other ranks); pointers 4-byte aligned.
 bool peer_collective_fits(const void* p, int64_t bytes, int64_t max_bytes);
 // The same for launch_peer_all_gather's operands (rows of row_bytes, all's rows all_row_bytes apart).

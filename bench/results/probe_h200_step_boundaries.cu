@@ -68,6 +68,28 @@ __global__ void __launch_bounds__(kThreads) flag_kernel(unsigned* buf, unsigned*
   }
 }
 
+// Microseconds a phase: the best of 5 timed runs of launch() (after one warm-up), over n phases.
+template <typename Launch>
+float time_runs(Launch&& launch, int n, cudaStream_t s) {
+  launch();  // warm-up
+  CK(cudaStreamSynchronize(s));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  float best = 1e30f;
+  for (int rep = 0; rep < 5; ++rep) {
+    CK(cudaEventRecord(e0, s));
+    launch();
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    best = ms < best ? ms : best;
+  }
+  return best * 1000.0f / n;
+}
+
+// One phase_kernel a phase, captured in a graph, with or without PDL.
 template <bool kPdl>
 float time_graph(unsigned* buf, int blocks, int n, cudaStream_t s) {
   cudaGraph_t g;
@@ -89,44 +111,10 @@ float time_graph(unsigned* buf, int blocks, int n, cudaStream_t s) {
   CK(cudaStreamEndCapture(s, &g));
   cudaGraphExec_t ge;
   CK(cudaGraphInstantiate(&ge, g, 0));
-  CK(cudaGraphLaunch(ge, s));  // warm-up
-  CK(cudaStreamSynchronize(s));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  float best = 1e30f;
-  for (int rep = 0; rep < 5; ++rep) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = ms < best ? ms : best;
-  }
+  const float us = time_runs([&] { CK(cudaGraphLaunch(ge, s)); }, n, s);
   CK(cudaGraphExecDestroy(ge));
   CK(cudaGraphDestroy(g));
-  return best * 1000.0f / n;
-}
-
-template <typename Launch>
-float time_kernel(Launch&& launch, int n, cudaStream_t s) {
-  launch();  // warm-up
-  CK(cudaStreamSynchronize(s));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  float best = 1e30f;
-  for (int rep = 0; rep < 5; ++rep) {
-    CK(cudaEventRecord(e0, s));
-    launch();
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = ms < best ? ms : best;
-  }
-  return best * 1000.0f / n;
+  return us;
 }
 
 int main() {
@@ -150,10 +138,10 @@ int main() {
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, coop_kernel, kThreads, 0));
     if (per_sm * sms >= blocks) {
       void* args[] = {&buf, &blocks, const_cast<int*>(&n)};
-      printf("coop sync   %6.2f us\n", time_kernel([&] {
+      printf("coop sync   %6.2f us\n", time_runs([&] {
                CK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(coop_kernel), blocks, kThreads, args, 0, s));
              }, n, s));
-      printf("flag sync   %6.2f us\n", time_kernel([&] {
+      printf("flag sync   %6.2f us\n", time_runs([&] {
                CK(cudaMemsetAsync(counts, 0, n * sizeof(unsigned), s));
                flag_kernel<<<blocks, kThreads, 0, s>>>(buf, counts, blocks, n);
                CK(cudaGetLastError());

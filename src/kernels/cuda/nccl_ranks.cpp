@@ -142,7 +142,8 @@ class NcclCommunicator final : public Communicator {
   void all_reduce_sum(Backend& be, Tensor& t) override {
     auto& c = ready(be, t, "all-reduce");
     const int64_t n = t.rows * t.cols;
-    if (peer_ && t.dtype == DType::BF16 && cuda::peer_collective_fits(t.data, 2 * n, cuda::peer_all_reduce_max_bytes(peer_->n_ranks))) {
+    if (peer_ && t.dtype == DType::BF16 &&
+        cuda::peer_collective_fits(t.data, 2 * n, cuda::peer_all_reduce_max_bytes(peer_->n_ranks))) {
       c.launch_library([&](cudaStream_t s) { cuda::launch_peer_all_reduce(*peer_, static_cast<cuda::bf16*>(t.data), n, s); });
       return;
     }

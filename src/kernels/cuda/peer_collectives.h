@@ -22,6 +22,8 @@ constexpr int64_t kPeerMaxBytes = int64_t{4} << 20;           // a rank's data i
 // tensor to every peer), NCCL's ring beyond. Two H200s, DFlash batch 16 (sums of 256 rows, 2 MiB):
 // 9.54 -> 9.10 ms a step against NCCL; at 1 MiB the two take the same (19.4 and 20.1 us), at 4 MiB
 // (DFlash batch 32) NCCL is slightly faster (bench/results, "the peer all-reduce up to 2 MiB").
+// Over four H200s 1-2 MiB through the peer kernel nearly doubled the DFlash batch 8 / 16 steps
+// (bench/results, "the peer all-reduce over four GPUs").
 constexpr int64_t kPeerAllReduceMaxBytes = int64_t{512} << 10;
 constexpr int64_t kPeerAllReduceTwoRanksMaxBytes = int64_t{2} << 20;
 constexpr int64_t peer_all_reduce_max_bytes(int n_ranks) {

@@ -130,8 +130,9 @@ __device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, bo
 // evict-first (and with the 128-byte fetch hint). A product's stream then no longer pushes out what
 // the step's next kernels read back through L2 (residual rows, activations, attention partials).
 // Two H200s, 8B shape: plain batch 1 4.21 -> 4.17 ms, at TP 2 2.65 -> 2.60 ms; 30B-A3B shape: plain
-// batch 1 2.71 -> 2.69 ms. The routed skinny form keeps the plain hint: evict-first there made the
-// 16-row MoE verification 3% slower (bench/results/README.md, "Weight copies marked evict-first").
+// batch 1 2.71 -> 2.69 ms, plain batch 8 7.85 -> 7.71 ms. The routed skinny form's 16-pair items keep
+// the plain hint: evict-first there made the 16-row MoE verification 3% slower (bench/results/README.md,
+// "Weight copies marked evict-first").
 // The policy comes from weight_policy(), made once a thread.
 __device__ __forceinline__ uint64_t weight_policy() {
   uint64_t policy;

@@ -16,8 +16,8 @@
 // each of its 16 rows per chunk, and with the hint L2 fetches the whole line
 // from DRAM at once (H100, bench-step at context 512: plain batch 1 6.06 ->
 // 5.83 ms, the DFlash step 8.43 -> 8.11 ms; a 256-byte hint was no better).
-// The plain forms' weights are also marked evict-first in L2 (cp_async16_weight,
-// device_math.cuh); the routed form's are not (its 16-row steps were slower).
+// The weights are also marked evict-first in L2 (cp_async16_weight, device_math.cuh),
+// except in the routed form's 16-pair items (its 16-row steps were slower).
 //
 // The normalizing form (kNorm, up to a few rows) takes its input from the
 // residual stream instead: each block computes rmsnorm(residual + delta) of
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       const int k = k0 + part * 8;
       const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
       const bf16* src = ok ? o.w + row * w_stride + k : o.w;
-      if constexpr (kRouted) cp_async16_hint<128>(&st.w[rt][r][part], src, ok);
+      if constexpr (kRouted && MT == 2) cp_async16_hint<128>(&st.w[rt][r][part], src, ok);  // see the top
       else cp_async16_weight(&st.w[rt][r][part], src, ok, w_policy);
     }
   };

@@ -115,14 +115,21 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   constexpr int kRowPieces = HD / 8;                                 // 16-byte pieces of a key row
   constexpr int kPieces = TK * kRowPieces / (kWarps * 32);  // of a tile, per thread
   // The K and V rows of keys [k0, k0 + TK) into buffer `buf` (keys past the sequence: zeros).
+  // The long form reads each K/V row once a step: its copies go to L2 marked evict-first
+  // (device_math.cuh). A prefill's rows are read again by the sequence's other query tiles.
+  const uint64_t kv_policy = evict_first_policy();
+  auto copy = [&](bf16* dst, const bf16* src, bool ok) {
+    if constexpr (kSplit) cp_async16_evict_first(dst, src, ok, kv_policy);
+    else cp_async16_hint<128>(dst, src, ok);
+  };
   auto issue_tile = [&](int k0, int buf) {
 #pragma unroll
     for (int j = 0; j < kPieces; ++j) {
       const int p = threadIdx.x + j * kWarps * 32, kr = p / kRowPieces, part = p % kRowPieces, key = k0 + kr;
       const bool ok = key < first.n_keys;
       const int64_t slot = ok ? key_slot(pages, key, shp.page_size) : 0;
-      cp_async16_hint<128>(&sm.k[buf][kr][part * 8], kc + slot * k_stride + head_off + part * 8, ok);
-      cp_async16_hint<128>(&sm.v[buf][kr][part * 8], vc + slot * v_stride + head_off + part * 8, ok);
+      copy(&sm.k[buf][kr][part * 8], kc + slot * k_stride + head_off + part * 8, ok);
+      copy(&sm.v[buf][kr][part * 8], vc + slot * v_stride + head_off + part * 8, ok);
     }
     cp_async_commit();
   };

@@ -126,20 +126,22 @@ __device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, bo
   else
     cp_async16(smem, gmem, ok);
 }
-// Weight copies of the decode products: a weight is read once a step, so its lines go to L2 marked
-// evict-first (and with the 128-byte fetch hint). A product's stream then no longer pushes out what
-// the step's next kernels read back through L2 (residual rows, activations, attention partials).
-// Two H200s, 8B shape: plain batch 1 4.21 -> 4.17 ms, at TP 2 2.65 -> 2.60 ms; 30B-A3B shape: plain
-// batch 1 2.71 -> 2.69 ms, plain batch 8 7.85 -> 7.71 ms. The routed skinny form's 16-pair items keep
-// the plain hint: evict-first there made the 16-row MoE verification 3% slower (bench/results/README.md,
-// "Weight copies marked evict-first").
-// The policy comes from weight_policy(), made once a thread.
-__device__ __forceinline__ uint64_t weight_policy() {
+// Copies of data a decode step reads once: the products' weights and the long-context attention's
+// keys and values. Their lines go to L2 marked evict-first (and with the 128-byte fetch hint), so
+// that the stream no longer pushes out what the step's next kernels read back through L2 (residual
+// rows, activations, attention partials). Weights, two H200s, 8B shape: plain batch 1 4.21 -> 4.17
+// ms, at TP 2 2.65 -> 2.60 ms; 30B-A3B shape: plain batch 1 2.71 -> 2.69 ms, plain batch 8 7.85 ->
+// 7.71 ms. Keys and values, 8B shape at 32768 keys: plain batch 1 6.06-6.09 -> 5.98 ms. The routed
+// skinny form's 16-pair items keep the plain hint: evict-first there made the MoE steps of 9-16 rows
+// 4-8% slower (bench/results/README.md, "Weight copies marked evict-first" and "Long-context keys
+// and values marked evict-first").
+// The policy comes from evict_first_policy(), made once a thread.
+__device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
-__device__ __forceinline__ void cp_async16_weight(void* smem, const void* gmem, bool ok, uint64_t policy) {
+__device__ __forceinline__ void cp_async16_evict_first(void* smem, const void* gmem, bool ok, uint64_t policy) {
   const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(gmem),
                "r"(ok ? 16 : 0), "l"(policy)

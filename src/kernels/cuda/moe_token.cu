@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNo
   const int j = blockIdx.y;
   const bf16* we = w + route.expert[j] * w_step;
   const int64_t n0 = int64_t{blockIdx.x} * 16;
-  const uint64_t w_policy = weight_policy();
+  const uint64_t w_policy = evict_first_policy();
   const int n_mine = chunks_of_warp(K, warp);
   auto issue = [&](int i) {
     if (i < n_mine) {
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNo
         const int64_t f = n0 + r;
         const int k = k0 + part * 8;
         const bool ok = f < N && k < K;
-        cp_async16_weight(&ring[i % S][rt][r][part], ok ? we + (rt ? N + f : f) * w_stride + k : we, ok, w_policy);
+        cp_async16_evict_first(&ring[i % S][rt][r][part], ok ? we + (rt ? N + f : f) * w_stride + k : we, ok, w_policy);
       }
     }
     cp_async_commit();
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
   const int n_seq = n_mine * n_experts;
   // The next chunk to request: the group's expert `ie`, the warp's chunk `ic` of it, into ring slot `issued` % S.
   int issued = 0, ie = 0, ic = 0;
-  const uint64_t w_policy = weight_policy();
+  const uint64_t w_policy = evict_first_policy();
   auto issue = [&] {
     if (issued < n_seq) {
       const int k0 = (kw + ic * kWarps) * kChunk;
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
         const int64_t f = n0 + r;
         const int k = k0 + part * 8;
         const bool ok = f < N && k < K;
-        cp_async16_weight(&ring[issued % S][r][part], ok ? we + f * w_stride + k : we, ok, w_policy);
+        cp_async16_evict_first(&ring[issued % S][r][part], ok ? we + f * w_stride + k : we, ok, w_policy);
       }
       if (++ic == n_mine) ic = 0, ++ie;
     }

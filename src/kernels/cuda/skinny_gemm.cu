@@ -16,8 +16,8 @@
 // each of its 16 rows per chunk, and with the hint L2 fetches the whole line
 // from DRAM at once (H100, bench-step at context 512: plain batch 1 6.06 ->
 // 5.83 ms, the DFlash step 8.43 -> 8.11 ms; a 256-byte hint was no better).
-// The weights are also marked evict-first in L2 (cp_async16_weight, device_math.cuh),
-// except in the routed form's 16-pair items (its 16-row steps were slower).
+// The weights are also marked evict-first in L2 (cp_async16_evict_first, device_math.cuh),
+// except in the routed form's 16-pair items (its 9-16-row steps were 4-8% slower).
 //
 // The normalizing form (kNorm, up to a few rows) takes its input from the
 // residual stream instead: each block computes rmsnorm(residual + delta) of
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_rows needs the whole block");
   constexpr bool kThree = three_blocks(MT, kSwiglu, kNorm, kRouted);
-  const uint64_t w_policy = weight_policy();
+  const uint64_t w_policy = evict_first_policy();
   constexpr int S = kStages<MT, RT, kNorm, kWide, kRouted, kThree>;
   using St = StageOf<MT, RT, kNorm>;
   DFLASH_DYNAMIC_SMEM(smem_raw);
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
       const bf16* src = ok ? o.w + row * w_stride + k : o.w;
       if constexpr (kRouted && MT == 2) cp_async16_hint<128>(&st.w[rt][r][part], src, ok);  // see the top
-      else cp_async16_weight(&st.w[rt][r][part], src, ok, w_policy);
+      else cp_async16_evict_first(&st.w[rt][r][part], src, ok, w_policy);
     }
   };
   auto issue_x = [&](int i, const Operands& o) {

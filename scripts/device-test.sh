@@ -2,9 +2,12 @@
 # GPU tests and benchmarks. The GPU machine has no package registry, so the
 # build happens where the Debian packages are and the binaries travel:
 #
-#   bash scripts/device-test.sh build       # portable build into build-dev/ (static libstdc++, .so files in lib/),
+#   bash scripts/device-test.sh build       # portable build into build-dev/ (the kernels in libdflash_cuda.so, shared
+#                                           # by dflash and dflash_tests; every .so they need in lib/),
 #                                           # packed into build-dev/carry.tar.xz
 #   bash scripts/device-test.sh pack-builds BASELINE_DFLASH   # two builds for STEPS=builds (build-ab/carry.tar.xz)
+#   bash scripts/device-test.sh slim        # before a device call: set aside what the GPU steps never read
+#   bash scripts/device-test.sh unslim      # after it: put it back
 #   bash scripts/device-test.sh run OUT     # on the GPU machine, from the repository root, with build-dev/ (or
 #                                           # just build-dev/carry.tar.xz) there:
 #                                           #   CUDA kernel and engine tests, logits vs transformers, bench-step,
@@ -20,22 +23,47 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-test.sh build | run OUT}
 
+# A device call carries the tracked tree and the carried files, 64 MiB in all. The GPU steps read
+# neither the tokenizer's golden encodings (CPU tests) nor bench/results: `slim` moves them into
+# build-dev/aside/ (ignored), `unslim` moves them back.
+aside=(tests/fixtures/tokenizers/tokenizer_golden.tar.xz bench/results)
+if [ "$mode" = slim ] || [ "$mode" = unslim ]; then
+  for path in "${aside[@]}"; do
+    if [ "$mode" = slim ] && [ -e "$path" ]; then
+      mkdir -p "build-dev/aside/$(dirname "$path")" && mv "$path" "build-dev/aside/$path"
+    elif [ "$mode" = unslim ] && [ -e "build-dev/aside/$path" ]; then
+      if [ -e "$path" ]; then echo "$path exists; its set-aside copy stays in build-dev/aside/$path" >&2; exit 1; fi
+      mv "build-dev/aside/$path" "$path"
+    fi
+  done
+  [ "$mode" = slim ] || exit 0
+  tree=$( (git ls-files -z | xargs -0 stat -c %s 2>/dev/null || true) | awk '{n += $1} END {print n + 0}')
+  carry=$(stat -c %s build-dev/carry.tar.xz 2>/dev/null || echo 0)
+  echo "tracked tree $((tree / 1024)) KiB + build-dev/carry.tar.xz $((carry / 1024)) KiB (a device call: 65536 KiB)"
+  exit 0
+fi
+
 if [ "$mode" = build ]; then
+  # The GPU machine's libstdc++ may be older than this one's: the binaries take this one from lib/.
   cmake -S . -B build-dev -DCMAKE_BUILD_TYPE=Release -DDFLASH_NATIVE=OFF -DDFLASH_TESTS=ON \
-    -DDFLASH_CUDA_ARCHITECTURES="${DFLASH_CUDA_ARCHITECTURES:-90a}" \
-    -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc"
+    -DDFLASH_CUDA_ARCHITECTURES="${DFLASH_CUDA_ARCHITECTURES:-90a}" -DDFLASH_SHARED_KERNELS=ON \
+    -DCMAKE_EXE_LINKER_FLAGS=""  # (earlier device builds linked libstdc++ statically)
   cmake --build build-dev -j "$(nproc)" --target dflash dflash_tests dflash_kernel_trace
-  strip build-dev/dflash build-dev/tests/dflash_tests  # the device call carries at most 64 MiB with the tree
+  strip build-dev/dflash build-dev/tests/dflash_tests build-dev/libdflash_cuda.so
   mkdir -p build-dev/lib
   for lib in $(ldd build-dev/dflash build-dev/tests/dflash_tests build-dev/libdflash_kernel_trace.so |
-               awk '/pcre2|utf8proc|gomp|httplib|ssl|crypto|brotli|libz\.|cupti/ {print $3}' | sort -u); do
+               awk '/pcre2|utf8proc|gomp|httplib|ssl|crypto|brotli|libz\.|cupti|stdc\+\+|gcc_s/ {print $3}' | sort -u); do
     cp -L "$lib" build-dev/lib/
   done
-  cp build-dev/libdflash_kernel_trace.so build-dev/lib/
+  cp build-dev/libdflash_cuda.so build-dev/libdflash_kernel_trace.so build-dev/lib/
   # One compressed file to carry to the GPU machine (the tree and the carried files share a 64 MiB
-  # limit; xz -9e makes it about a third smaller than tar -J).
-  tar -c build-dev/dflash build-dev/tests/dflash_tests build-dev/lib | xz -9e -T0 > build-dev/carry.tar.xz
-  ls -la build-dev/dflash build-dev/tests/dflash_tests build-dev/lib build-dev/carry.tar.xz
+  # limit; xz -9e with the x86 filter makes it about 40% smaller than tar -J), and the profiler's
+  # libraries apart (STEPS=profile; carry both, with models/ set aside too).
+  tar -c build-dev/dflash build-dev/tests/dflash_tests --exclude=libcupti.so.13 --exclude=libdflash_kernel_trace.so \
+    build-dev/lib | xz --x86 --lzma2=preset=9e -T1 > build-dev/carry.tar.xz
+  tar -c build-dev/lib/libcupti.so.13 build-dev/lib/libdflash_kernel_trace.so | xz -9e > build-dev/carry-profile.tar.xz
+  ls -la build-dev/dflash build-dev/tests/dflash_tests build-dev/lib build-dev/carry*.tar.xz
+  echo "carry build-dev/carry.tar.xz; run 'bash scripts/device-test.sh slim' before the device call, 'unslim' after"
   exit 0
 fi
 
@@ -43,11 +71,14 @@ if [ "$mode" = pack-builds ]; then
   # Two builds for STEPS=builds (A/B of code changes that have no switch): after `build`, packs
   # this build (as `build` does, tests included) with a baseline dflash binary (built the same way
   # from another commit) into build-ab/carry.tar.xz, the file to carry instead of build-dev's.
+  # The baseline's kernels library (lib/libdflash_cuda.so beside it) goes with it.
   base=${2:?usage: device-test.sh pack-builds BASELINE_DFLASH}
-  rm -rf build-ab && mkdir -p build-ab/base/build-dev
+  rm -rf build-ab && mkdir -p build-ab/base/build-dev/lib
   cp "$base" build-ab/base/build-dev/dflash
-  tar -c build-dev/dflash build-dev/tests/dflash_tests build-dev/lib -C build-ab base/build-dev/dflash |
-    xz -9e -T0 > build-ab/carry.tar.xz
+  base_lib="$(dirname "$base")/lib/libdflash_cuda.so"
+  if [ -f "$base_lib" ]; then cp "$base_lib" build-ab/base/build-dev/lib/; fi
+  tar -c build-dev/dflash build-dev/tests/dflash_tests --exclude=libcupti.so.13 --exclude=libdflash_kernel_trace.so \
+    build-dev/lib -C build-ab base/build-dev | xz --x86 --lzma2=preset=9e -T1 > build-ab/carry.tar.xz
   ls -la build-ab/carry.tar.xz
   exit 0
 fi
@@ -55,7 +86,7 @@ fi
 [ "$mode" = run ] || { echo "unknown mode $mode" >&2; exit 2; }
 out=${2:?usage: device-test.sh run OUT}
 mkdir -p "$out"
-if [ -f build-dev/carry.tar.xz ]; then tar -xJf build-dev/carry.tar.xz; fi
+for carried in build-dev/carry*.tar.xz; do if [ -f "$carried" ]; then tar -xJf "$carried"; fi; done
 if [ -f build-ab/carry.tar.xz ]; then tar -xJf build-ab/carry.tar.xz; fi
 steps=${STEPS:-tests logits bench serving}
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -297,8 +328,8 @@ if [[ " $steps " == *" builds "* ]]; then
     random_8b_pair
     pair=(--model "$ckpt/qwen3-8b" --draft "$ckpt/dflash-8b")
   fi
-  printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:$LD_LIBRARY_PATH" exec "%s" "$@"\n' "$PWD/build-dev/lib" \
-    "$PWD/base/build-dev/dflash" > build-dev/dflash-base-run
+  printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:%s:$LD_LIBRARY_PATH" exec "%s" "$@"\n' "$PWD/base/build-dev/lib" \
+    "$PWD/build-dev/lib" "$PWD/base/build-dev/dflash" > build-dev/dflash-base-run
   chmod +x build-dev/dflash-base-run
   for round in $(seq "${ROUNDS:-2}"); do
     for build in base new; do

@@ -132,9 +132,10 @@ __device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, bo
 // rows, activations, attention partials). Weights, two H200s, 8B shape: plain batch 1 4.21 -> 4.17
 // ms, at TP 2 2.65 -> 2.60 ms; 30B-A3B shape: plain batch 1 2.71 -> 2.69 ms, plain batch 8 7.85 ->
 // 7.71 ms. Keys and values, 8B shape at 32768 keys: plain batch 1 6.06-6.09 -> 5.98 ms. The routed
-// skinny form's 16-pair items keep the plain hint: evict-first there made the MoE steps of 9-16 rows
-// 4-8% slower (bench/results/README.md, "Weight copies marked evict-first" and "Long-context keys
-// and values marked evict-first").
+// skinny form's 16-pair items keep the plain hint: the policy operand raised their down form's
+// registers past 128 (one block an SM), and the MoE steps of 9-16 rows were 4-8% slower
+// (bench/results/README.md, "Weight copies marked evict-first", "Long-context keys and values marked
+// evict-first" and "Routed 16-pair items: the evict-first loss is registers").
 // The policy comes from evict_first_policy(), made once a thread.
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;

@@ -43,6 +43,17 @@ if [ "$mode" = slim ] || [ "$mode" = unslim ]; then
   exit 0
 fi
 
+# What a device call carries: this build's binaries and libraries (the profiler's apart, in
+# carry-profile.tar.xz; STEPS=profile carries both, with models/ set aside too), packed by
+# xz -9e with the x86 filter (about 40% smaller than tar -J; the tree and the carried files
+# share a 64 MiB limit). Extra tar arguments add to the build's files.
+pack_build() {
+  local archive=$1
+  shift
+  tar -c build-dev/dflash build-dev/tests/dflash_tests --exclude=libcupti.so.13 --exclude=libdflash_kernel_trace.so \
+    build-dev/lib "$@" | xz --x86 --lzma2=preset=9e -T1 > "$archive"
+}
+
 if [ "$mode" = build ]; then
   # The GPU machine's libstdc++ may be older than this one's: the binaries take this one from lib/.
   cmake -S . -B build-dev -DCMAKE_BUILD_TYPE=Release -DDFLASH_NATIVE=OFF -DDFLASH_TESTS=ON \
@@ -56,11 +67,7 @@ if [ "$mode" = build ]; then
     cp -L "$lib" build-dev/lib/
   done
   cp build-dev/libdflash_cuda.so build-dev/libdflash_kernel_trace.so build-dev/lib/
-  # One compressed file to carry to the GPU machine (the tree and the carried files share a 64 MiB
-  # limit; xz -9e with the x86 filter makes it about 40% smaller than tar -J), and the profiler's
-  # libraries apart (STEPS=profile; carry both, with models/ set aside too).
-  tar -c build-dev/dflash build-dev/tests/dflash_tests --exclude=libcupti.so.13 --exclude=libdflash_kernel_trace.so \
-    build-dev/lib | xz --x86 --lzma2=preset=9e -T1 > build-dev/carry.tar.xz
+  pack_build build-dev/carry.tar.xz
   tar -c build-dev/lib/libcupti.so.13 build-dev/lib/libdflash_kernel_trace.so | xz -9e > build-dev/carry-profile.tar.xz
   ls -la build-dev/dflash build-dev/tests/dflash_tests build-dev/lib build-dev/carry*.tar.xz
   echo "carry build-dev/carry.tar.xz; run 'bash scripts/device-test.sh slim' before the device call, 'unslim' after"
@@ -77,8 +84,7 @@ if [ "$mode" = pack-builds ]; then
   cp "$base" build-ab/base/build-dev/dflash
   base_lib="$(dirname "$base")/lib/libdflash_cuda.so"
   if [ -f "$base_lib" ]; then cp "$base_lib" build-ab/base/build-dev/lib/; fi
-  tar -c build-dev/dflash build-dev/tests/dflash_tests --exclude=libcupti.so.13 --exclude=libdflash_kernel_trace.so \
-    build-dev/lib -C build-ab base/build-dev | xz --x86 --lzma2=preset=9e -T1 > build-ab/carry.tar.xz
+  pack_build build-ab/carry.tar.xz -C build-ab base/build-dev
   ls -la build-ab/carry.tar.xz
   exit 0
 fi

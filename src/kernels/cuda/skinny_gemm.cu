@@ -16,9 +16,11 @@
 // each of its 16 rows per chunk, and with the hint L2 fetches the whole line
 // from DRAM at once (H100, bench-step at context 512: plain batch 1 6.06 ->
 // 5.83 ms, the DFlash step 8.43 -> 8.11 ms; a 256-byte hint was no better).
-// The weights are also marked evict-first in L2 (cp_async16_evict_first, device_math.cuh),
-// except in the routed form's 16-pair items: with it the 16-pair down form takes 162 registers
-// instead of 128, one block an SM instead of two (its steps of 9-16 rows were 4-8% slower).
+// The weights are also marked evict-first in L2 (cp_async16_evict_first, device_math.cuh). The
+// routed forms of 16-pair items are compiled for two blocks an SM: with evict-first copies and no
+// bound their down form took 162 registers, one block an SM (steps of 9-16 rows 4-8% slower).
+// Every other form has no minimum: a minimum of one block raises ptxas's register counts in
+// nearly every instantiation (bench/results/README.md).
 //
 // The normalizing form (kNorm, up to a few rows) takes its input from the
 // residual stream instead: each block computes rmsnorm(residual + delta) of
@@ -125,6 +127,9 @@ __device__ __forceinline__ void normalize_rows(const RowNorm& norm, int M, int K
   }
 }
 
+// ptxas's minimum of blocks an SM: two for the routed 16-pair forms, none (0) elsewhere (see the top).
+constexpr int min_blocks(int mt, bool routed) { return routed && mt == 2 ? 2 : 0; }
+
 // MT: 8-token tiles (M <= 8 * MT); RT: 16-row weight tiles per block.
 // kSwiglu (RT == 2): w = [gate; up] with N rows each; tile 0 takes gate rows, tile 1 the same
 // up rows, and the block writes silu(gate) * up for its 16 features from the float32 sums,
@@ -140,13 +145,11 @@ __device__ __forceinline__ void normalize_rows(const RowNorm& norm, int M, int K
 // push (plain forms, push.n_ranks > 1): each output word (two features of a token) also goes to
 // the peers' push inboxes, flagged with the pushed exchange's call number (peer_collectives.h).
 template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kWide = false, bool kRouted = false>
-__global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M,
-                                                                  const bf16* __restrict__ w, int64_t w_stride, int N,
-                                                                  int K, const bf16* __restrict__ bias,
-                                                                  bf16* __restrict__ out, int64_t out_stride,
-                                                                  RowNorm norm, int64_t w_group_step,
-                                                                  int out_group_cols, RoutedRows routed,
-                                                                  PeerPush push) {
+__global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
+    skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M, const bf16* __restrict__ w,
+                       int64_t w_stride, int N, int K, const bf16* __restrict__ bias, bf16* __restrict__ out,
+                       int64_t out_stride, RowNorm norm, int64_t w_group_step, int out_group_cols,
+                       RoutedRows routed, PeerPush push) {
   static_assert(!kSwiglu || RT == 2, "the SwiGLU form pairs one gate tile with one up tile");
   static_assert(!kNorm || kWarps * 32 == kRowThreads, "norm_rows needs the whole block");
   constexpr bool kThree = three_blocks(MT, kSwiglu, kNorm, kRouted);
@@ -191,8 +194,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_gemm_kernel(const bf16* __
       const int k = k0 + part * 8;
       const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
       const bf16* src = ok ? o.w + row * w_stride + k : o.w;
-      if constexpr (kRouted && MT == 2) cp_async16_hint<128>(&st.w[rt][r][part], src, ok);  // see the top
-      else cp_async16_evict_first(&st.w[rt][r][part], src, ok, w_policy);
+      cp_async16_evict_first(&st.w[rt][r][part], src, ok, w_policy);
     }
   };
   auto issue_x = [&](int i, const Operands& o) {

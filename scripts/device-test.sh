@@ -7,6 +7,8 @@
 #                                           # packed into build-dev/carry.tar.xz
 #   bash scripts/device-test.sh pack-builds BASELINE_DFLASH   # two builds for STEPS=builds (build-ab/carry.tar.xz)
 #   bash scripts/device-test.sh slim        # before a device call: set aside what the GPU steps never read
+#   bash scripts/device-test.sh slim models # the same and the bundled pair (for steps other than tests and
+#                                           # serving: room for pack-builds' two builds)
 #   bash scripts/device-test.sh unslim      # after it: put it back
 #   bash scripts/device-test.sh run OUT     # on the GPU machine, from the repository root, with build-dev/ (or
 #                                           # just build-dev/carry.tar.xz) there:
@@ -25,8 +27,11 @@ mode=${1:?usage: device-test.sh build | run OUT}
 
 # A device call carries the tracked tree and the carried files, 64 MiB in all. The GPU steps read
 # neither the tokenizer's golden encodings (CPU tests) nor bench/results: `slim` moves them into
-# build-dev/aside/ (ignored), `unslim` moves them back.
+# build-dev/aside/ (ignored), `unslim` moves them back. `slim models` also sets aside the bundled
+# pair (31 MB), which only the CUDA tests and the bundled serving sweep read.
 aside=(tests/fixtures/tokenizers/tokenizer_golden.tar.xz bench/results)
+bundled=(models/pycoder-16m models/pycoder-16m-dflash-b16)
+if [ "$mode" = unslim ] || { [ "$mode" = slim ] && [ "${2:-}" = models ]; }; then aside+=("${bundled[@]}"); fi
 if [ "$mode" = slim ] || [ "$mode" = unslim ]; then
   for path in "${aside[@]}"; do
     if [ "$mode" = slim ] && [ -e "$path" ]; then

@@ -18,11 +18,11 @@ for file in "$@"; do
   (cd build-dev && /usr/local/cuda/bin/nvcc --options-file CMakeFiles/dflash_cuda.dir/includes_CUDA.rsp $cuda_flags \
      -Xptxas -v -c "../$file" -o /dev/null 2>&1) | python3 -c '
 import re, subprocess, sys
-rows, name = [], None
+rows, name, spill = [], None, 0
 for line in sys.stdin:
     m = re.search(r"Compiling entry function .(_Z\S+).", line)
     if m:
-        name = m.group(1)
+        name, spill = m.group(1), 0
         continue
     m = re.search(r"(\d+) bytes spill stores", line)
     if m:

@@ -816,8 +816,19 @@ TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   forced.attention_splits = Splits::loop;
   cuda::force_kernel_forms(*gpu, forced);
   gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, looped.g);
-  cuda::force_kernel_forms(*gpu, {});
   EXPECT_EQ(gpu->to_host(looped.g), gpu->to_host(out.g)) << "splits combined in the attention block";
+
+  // So does the form whose blocks share each split's keys among a sequence's tiles (verification
+  // and draft blocks; the single rows take it too when forced), and the rule's choice.
+  auto shared = poisoned(rows, q_dim);
+  forced.attention_splits = Splits::shared_keys;
+  cuda::force_kernel_forms(*gpu, forced);
+  gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, shared.g);
+  cuda::force_kernel_forms(*gpu, {});
+  EXPECT_EQ(gpu->to_host(shared.g), gpu->to_host(out.g)) << "splits' keys shared by a sequence's tiles";
+  auto by_rule = poisoned(rows, q_dim);
+  gpu->attention(q.g, cg.k[0], cg.v[0], segs, positions, ap, by_rule.g);
+  EXPECT_EQ(gpu->to_host(by_rule.g), gpu->to_host(out.g)) << "the forms' rule";
 
   // A verification row equals the same query decoded alone at its position.
   const int r = segs[1].first_row + 7;

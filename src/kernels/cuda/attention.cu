@@ -337,13 +337,33 @@ void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_c
   if (!combined) launch_combine(rows, n_rows, splits, shp, workspace, out, early, forms.combine, s);
 }
 
+int attention_run_tiles() { return attention_shared_keys_most_tiles(); }
+
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
-                      const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
-                      const AttnShape& shp, float* workspace, Mat out, const KernelForms& forms, cudaStream_t s) {
+                      const AttnTile* tiles, int n_tiles, const AttnTile* runs, int n_runs, int max_keys,
+                      const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
+                      const KernelForms& forms, cudaStream_t s) {
   if (n_rows == 0) return;
-  if (attention_mma_heads(shp) > 0)
+  if (attention_mma_heads(shp) > 0) {
+    // A sequence's tiles share each split's keys where its rows fill two tiles or more on average
+    // (verification and draft blocks) and the decode kernel's grid without splits has 3 blocks an
+    // SM or more. The shared-keys blocks are one wave that takes about as long at any batch (a
+    // warp walks its tile's splits one after another), the decode kernel's time grows with the
+    // batch: H200, 12 layers of the 30B-A3B shape, DFlash batch 32 9.51-9.58 -> 8.71-8.79 ms a
+    // step, batch 16 7.88-8.00 -> 7.60-7.66, 8B shape batch 16 12.58-12.76 -> 11.31-11.38; without
+    // the grid condition batch 8 was slower (5.14 -> 5.52 ms: 32 blocks), batch 2 much slower
+    // (bench/results/bench_step_h200_attention_shared_keys_builds_ab.txt).
+    using Splits = KernelForms::Splits;
+    const int heads = attention_mma_heads(shp), group = shp.n_heads / shp.n_kv_heads;
+    const int64_t blocks = int64_t{n_tiles} * shp.n_kv_heads * ((group + heads - 1) / heads);
+    const bool shared = forms.attention_splits == Splits::by_rule
+                            ? 2 * n_runs <= n_tiles && blocks >= 3 * int64_t{sm_count()}
+                            : forms.attention_splits == Splits::shared_keys;
+    if (shared)
+      return launch_attention_shared_keys(q, k_cache, v_cache, rows, tiles, runs, n_runs, page_tables, shp, out, s);
     return launch_attention_fresh(q, AttnFresh{}, k_cache, v_cache, rows, n_rows, tiles, n_tiles, max_keys,
                                   page_tables, shp, workspace, out, forms, s);
+  }
   const int splits = max_splits_for(max_keys) > 0 ? max_splits_for(max_keys) : 1;
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + kGroupChunk(group) - 1) / kGroupChunk(group);
   const dim3 grid(static_cast<unsigned>(n_rows * shp.n_kv_heads * chunks), static_cast<unsigned>(splits));

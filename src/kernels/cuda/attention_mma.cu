@@ -26,6 +26,7 @@
 #include <cmath>
 
 #include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/attention_key_tile.cuh"
 #include "kernels/cuda/attention_mma.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -244,54 +245,14 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
       for (int h = 0; h < 2; ++h) qa[c][h] = vok[h] && c * 32 + qd * 8 < hd ? load16(q_src(h, c * 32 + qd * 8)) : zero;
   }
 
-  // Scores: sc[t] = (vector g, keys 8t + 2qd + {0, 1}) and (vector g + 8, the same keys).
+  // Scores, the masked softmax over the warp's 16 keys and P (attention_key_tile.cuh).
   float sc[2][4] = {};
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const uint32_t a0 = s ? qa[c][0].z : qa[c][0].x, a1 = s ? qa[c][1].z : qa[c][1].x;
-      const uint32_t a2 = s ? qa[c][0].w : qa[c][0].y, a3 = s ? qa[c][1].w : qa[c][1].y;
-#pragma unroll
-      for (int t = 0; t < 2; ++t) mma_bf16(sc[t], a0, a1, a2, a3, s ? kb[t][c].z : kb[t][c].x, s ? kb[t][c].w : kb[t][c].y);
-    }
-
-  // Masked softmax over the warp's 16 keys per vector; a quad of lanes holds a vector's keys.
-  const float scale = rsqrtf(static_cast<float>(hd));
+  key_tile_scores<kChunks>(qa, kb, sc);
   float m[2], l[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = kbase + 8 * t + 2 * qd + e;
-        const float v = key >= lo[h] && key < hi[h] ? sc[t][2 * h + e] * scale : -INFINITY;
-        sc[t][2 * h + e] = v;
-        mx = fmaxf(mx, v);
-      }
-    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-    float sum = 0.0f;
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float p = mx == -INFINITY ? 0.0f : round_bf(__expf(sc[t][2 * h + e] - mx));
-        sc[t][2 * h + e] = p;
-        sum += p;
-      }
-    sum += __shfl_xor_sync(kFull, sum, 1);
-    sum += __shfl_xor_sync(kFull, sum, 2);
-    m[h] = mx;
-    l[h] = sum;
-  }
-
-  // O = P V: P's A fragment is the score tile's accumulator layout, V's B fragments come transposed.
-  const uint32_t pa0 = pack_bf16(sc[0][0], sc[0][1]), pa1 = pack_bf16(sc[0][2], sc[0][3]);
-  const uint32_t pa2 = pack_bf16(sc[1][0], sc[1][1]), pa3 = pack_bf16(sc[1][2], sc[1][3]);
-  float acc[kDimTiles][4] = {};
+  key_tile_softmax(sc, kbase, qd, lo, hi, rsqrtf(static_cast<float>(hd)), m, l);
+  uint32_t pa[4];
+  key_tile_p(sc, pa);
+  float acc[kDimTiles][4];  // P V (key_tile_pv starts each dim tile from zero)
   cp_async_wait<0>();
   __syncwarp();
   if constexpr (kFused) {  // new value rows this block owns go to the cache from the tile
@@ -302,12 +263,7 @@ __device__ __forceinline__ void attend_split(const bf16* q, int64_t q_stride, bf
     });
   }
 #pragma unroll
-  for (int np = 0; np < HD / 16; ++np) {
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, &v_s[warp][lane % 8 + 8 * ((lane / 8) % 2)][np * 16 + 8 * (lane / 16)]);
-    mma_bf16(acc[2 * np], pa0, pa1, pa2, pa3, b[0], b[1]);
-    mma_bf16(acc[2 * np + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
-  }
+  for (int np = 0; np < HD / 16; ++np) key_tile_pv(pa, &v_s[warp][0][0], HD + 8, np, acc[2 * np], acc[2 * np + 1]);
   __syncthreads();  // every warp has read its V tile: the merge data reuses that memory
 
   // The warps merge in warp order (a fixed order: batch-independent): the result starts as warp

@@ -52,6 +52,7 @@ struct AttentionPlan {
   std::vector<AttnRow> rows;                     // every row as it is (the prefill form's)
   std::vector<AttnRow> decode_rows, long_rows;   // the others without keys
   std::vector<AttnTile> decode_tiles, prefill_tiles, long_tiles;
+  std::vector<AttnTile> decode_runs;             // decode tiles of one sequence: {first tile, tiles}
   std::vector<int32_t> tables;
   int decode_keys = 0, long_keys = 0;            // the most keys a launch is sized for
 };
@@ -158,6 +159,16 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
       auto& tiles = k == RowKernel::decode    ? plan.decode_tiles
                     : k == RowKernel::prefill ? plan.prefill_tiles
                                               : plan.long_tiles;
+      if (k == RowKernel::decode) {
+        // Runs of a sequence's decode tiles, attention_run_tiles() at most (the shared-keys form).
+        const auto t = static_cast<int32_t>(tiles.size());
+        auto& runs = plan.decode_runs;
+        if (runs.empty() || runs.back().first_row + runs.back().n_rows != t ||
+            runs.back().n_rows >= attention_run_tiles() || plan.decode_tiles[runs.back().first_row].first_row < seg.first_row)
+          runs.push_back({t, 1});
+        else
+          ++runs.back().n_rows;
+      }
       tiles.push_back({r, n});
       if (k == RowKernel::decode) plan.decode_keys = std::max(plan.decode_keys, launch_keys(seg));
       if (k == RowKernel::tiles_long) plan.long_keys = std::max(plan.long_keys, launch_keys(seg));
@@ -183,6 +194,7 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
       for (int32_t r = t.first_row; r < t.first_row + t.n_rows; ++r) work_rows[r] = n_long_rows++;
   }
   if (plan.decode_tiles.empty()) plan.decode_tiles.push_back({0, 0});
+  if (plan.decode_runs.empty()) plan.decode_runs.push_back({0, 1});
 
   const int n_rows = static_cast<int>(q.rows), n_tiles = static_cast<int>(plan.decode_tiles.size());
   const int64_t ws_decode = attention_workspace_bytes(n_rows, n_tiles, plan.decode_keys, shape, fresh != nullptr,
@@ -198,6 +210,8 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
   };
   const AttnRow* d_rows = stage_rows(plan.decode_rows);
   const AttnTile* d_tiles = stage_tiles(plan.decode_tiles);
+  const AttnTile* d_runs = fresh ? nullptr : stage_tiles(plan.decode_runs);
+  const int n_runs = static_cast<int>(plan.decode_runs.size());
   const AttnRow* d_all_rows = any_prefill ? stage_rows(plan.rows) : nullptr;
   const AttnTile* d_prefill_tiles = any_prefill ? stage_tiles(plan.prefill_tiles) : nullptr;
   const AttnRow* d_long_rows = any_long ? stage_rows(plan.long_rows) : nullptr;
@@ -208,7 +222,7 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
   // with their positions): a graph holds to the ones it was captured with, and to the fused or
   // separate form.
   uint64_t mix = fresh ? 1 : 0;  // unsigned: the mix wraps around
-  for (uint64_t v : {uint64_t(plan.decode_keys), uint64_t(plan.long_keys), uint64_t(n_tiles),
+  for (uint64_t v : {uint64_t(plan.decode_keys), uint64_t(plan.long_keys), uint64_t(n_tiles), uint64_t(n_runs),
                      uint64_t(plan.prefill_tiles.size()), uint64_t(plan.long_tiles.size())})
     mix = mix * 1000003u + v;
   const auto decision = static_cast<int64_t>(mix);
@@ -227,8 +241,8 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
           launch_attention_fresh(mat(q), *fresh, mat(k_cache), mat(v_cache), d_rows, n_rows, d_tiles, n_tiles,
                                  plan.decode_keys, d_tables, shape, ws, mat(out), forms_, s);
         else
-          launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, n_rows, d_tiles, n_tiles, plan.decode_keys,
-                           d_tables, shape, ws, mat(out), forms_, s);
+          launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, n_rows, d_tiles, n_tiles, d_runs, n_runs,
+                           plan.decode_keys, d_tables, shape, ws, mat(out), forms_, s);
       },
       decision);
 }

@@ -13,9 +13,13 @@ namespace cuda {
 
 struct KernelForms {
   // Attention splits of kAttnSplitKeys keys: one block each, then the combine kernel (parallel),
-  // or one block per tile running its splits in order and combining them itself (loop). Rule: the
-  // loop where the grid without splits has at least 4 blocks per SM.
-  enum class Splits { by_rule, parallel, loop } attention_splits = Splits::by_rule;
+  // one block per tile running its splits in order and combining them itself (loop), or one block
+  // per run of up to 8 tiles of a sequence running its splits in order with each split's keys
+  // shared by the run's tiles (shared_keys, attention_shared_keys.cu; calls without the fused
+  // form). Rule: shared_keys where a sequence's rows fill two tiles or more on average
+  // (verification and draft blocks) and the grid without splits has at least 3 blocks per SM,
+  // else the loop where that grid has at least 4 blocks per SM.
+  enum class Splits { by_rule, parallel, loop, shared_keys } attention_splits = Splits::by_rule;
   // The split combine: a warp per 32 dims of a head, or a warp per head. Rule: per 32 dims where
   // the GPU holds all those warps at once.
   enum class Combine { by_rule, per_32_dims, per_head } combine = Combine::by_rule;

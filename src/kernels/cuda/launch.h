@@ -291,9 +291,14 @@ int attention_rows_per_tile(const AttnShape& shape);
 
 // Attention of every row over its sequence's paged keys; `tiles` cover the rows. `forms`: how
 // splits run and combine (KernelForms; every form gives the same bits).
+// `runs`: the tiles in runs of at most attention_run_tiles() tiles of one sequence ({first tile,
+// tiles}), for the shared-keys form (KernelForms::Splits).
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
-                      const AttnTile* tiles, int n_tiles, int max_keys, const int32_t* page_tables,
-                      const AttnShape& shape, float* workspace, Mat out, const KernelForms& forms, cudaStream_t s);
+                      const AttnTile* tiles, int n_tiles, const AttnTile* runs, int n_runs, int max_keys,
+                      const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
+                      const KernelForms& forms, cudaStream_t s);
+// The most tiles of a run (launch_attention's runs).
+int attention_run_tiles();
 // The FlashAttention-2 form (attention_prefill.cu), for head_dim 64 and 128 (heads 0
 // otherwise), over tiles of attention_prefill_rows_per_tile rows of one segment. Its rows do not
 // match launch_attention's bits. Prefill: one pass over all the keys, no workspace (long query

@@ -340,7 +340,7 @@ void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_c
 int attention_run_tiles() { return attention_shared_keys_most_tiles(); }
 
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
-                      const AttnTile* tiles, int n_tiles, const AttnTile* runs, int n_runs, int max_keys,
+                      const AttnTile* tiles, int n_tiles, const AttnTile* runs, int n_runs, int most_tiles, int max_keys,
                       const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,
                       const KernelForms& forms, cudaStream_t s) {
   if (n_rows == 0) return;
@@ -360,7 +360,8 @@ void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, cons
                             ? 2 * n_runs <= n_tiles && blocks >= 3 * int64_t{sm_count()}
                             : forms.attention_splits == Splits::shared_keys;
     if (shared)
-      return launch_attention_shared_keys(q, k_cache, v_cache, rows, tiles, runs, n_runs, page_tables, shp, out, s);
+      return launch_attention_shared_keys(q, k_cache, v_cache, rows, tiles, runs, n_runs, most_tiles, page_tables,
+                                          shp, out, s);
     return launch_attention_fresh(q, AttnFresh{}, k_cache, v_cache, rows, n_rows, tiles, n_tiles, max_keys,
                                   page_tables, shp, workspace, out, forms, s);
   }

@@ -33,10 +33,11 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
                           KernelForms::Splits form, bool& released_early, bool& combined, cudaStream_t s);
 
 // The shared-keys form (attention_shared_keys.cu): a block per (run of tiles, KV head, head
-// chunk), a warp per tile; the same bits as launch_attention_mma. head_dim <= 128.
+// chunk), a warp per tile (most_tiles: the longest run's); the same bits as launch_attention_mma.
+// head_dim <= 128.
 void launch_attention_shared_keys(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
-                                  const AttnTile* tiles, const AttnTile* runs, int n_runs, const int32_t* page_tables,
-                                  const AttnShape& shape, Mat out, cudaStream_t s);
+                                  const AttnTile* tiles, const AttnTile* runs, int n_runs, int most_tiles,
+                                  const int32_t* page_tables, const AttnShape& shape, Mat out, cudaStream_t s);
 // The most tiles (warps) a block of that form takes.
 int attention_shared_keys_most_tiles();
 

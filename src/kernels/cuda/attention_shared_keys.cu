@@ -1,8 +1,8 @@
 // The decode attention's shared-keys form: a block owns a run of up to 8 tiles of one sequence
 // (a verification or draft block: 16 rows are 4-8 tiles) for one KV head and chunk of its query
 // heads, a warp per tile, and walks the sequence's splits of kAttnSplitKeys keys in order. Each
-// split's keys and values are copied once into shared memory for all the block's warps (double
-// buffered: the next split's copies are in flight while this one is computed), where the decode
+// split's keys and values are copied once into shared memory for all the block's warps (three
+// buffers: the next two splits' copies are in flight while one is computed), where the decode
 // kernel (attention_mma.cu) reads them again for every tile and every split in its own block.
 //
 // Same bits as the decode kernel, by the same arithmetic in the same order: a warp treats the
@@ -84,12 +84,12 @@ __global__ void __launch_bounds__(kMaxTiles * 32, 1)
   const int n_splits = splits_s;
 
   // Split s's keys and values go into buffer s % kStages, one cp.async group a split (empty past
-  // the last): thread t copies a quarter of key row t / 4's 16-byte pieces (keys past the
-  // sequence's and dims past head_dim read as zeros, as in the decode kernel). The row's cache
-  // slot is looked up a split ahead of its copies, so that the page table's round trip is not on
-  // the way to them.
-  constexpr int kThreadsPerRow = kMaxTiles * 32 / kAttnSplitKeys, kMine = HD / 8 / kThreadsPerRow;
-  const int my_row = threadIdx.x / kThreadsPerRow, my_part = (threadIdx.x % kThreadsPerRow) * kMine;
+  // the last): the block's 64, 128 or 256 threads take a key row each, 1, 2 or 4 threads a row,
+  // (keys past the sequence's and dims past head_dim read as zeros, as in the decode kernel). The
+  // row's cache slot is looked up a split ahead of its copies, so that the page table's round
+  // trip is not on the way to them.
+  const int per_row = static_cast<int>(blockDim.x) / kAttnSplitKeys, pieces = HD / 8 / per_row;
+  const int my_row = threadIdx.x / per_row, my_part = (threadIdx.x % per_row) * pieces;
   auto slot_of = [&](int split) -> int64_t {
     const int key = split * kAttnSplitKeys + my_row;
     return split < n_splits && key < seq.n_keys ? key_slot(pages, key, shp.page_size) : -1;
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kMaxTiles * 32, 1)
   auto stage = [&](int split, int64_t slot) {
     const int buf = split % kStages;
 #pragma unroll
-    for (int i = 0; i < (split < n_splits ? kMine : 0); ++i) {
+    for (int i = 0; i < (split < n_splits ? pieces : 0); ++i) {
       const int part = my_part + i;
       const bool ok = slot >= 0 && part * 8 < hd;
       cp_async16_hint<128>(&sm.k[buf][my_row][part * 8], ok ? kc + slot * k_stride + head_off + part * 8 : kc, ok);
@@ -239,8 +239,8 @@ __global__ void __launch_bounds__(kMaxTiles * 32, 1)
 
 template <int HD>
 void launch_shared_keys(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
-                        const AttnTile* tiles, const AttnTile* runs, int n_runs, const int32_t* page_tables,
-                        const AttnShape& shp, Mat out, cudaStream_t s) {
+                        const AttnTile* tiles, const AttnTile* runs, int n_runs, int most_tiles,
+                        const int32_t* page_tables, const AttnShape& shp, Mat out, cudaStream_t s) {
   const auto kernel = attention_shared_keys_kernel<HD>;
   constexpr size_t smem = sizeof(SharedKeys<HD>);
   static std::atomic<uint64_t> configured{0};
@@ -250,7 +250,12 @@ void launch_shared_keys(const Mat& q, const Mat& k_cache, const Mat& v_cache, co
   const int heads = attention_mma_heads(shp), group = shp.n_heads / shp.n_kv_heads;
   const int chunks = (group + heads - 1) / heads;
   const dim3 grid(static_cast<unsigned>(n_runs * shp.n_kv_heads * chunks));
-  launch_smem(kernel, grid, kMaxTiles * 32, smem, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
+  // A grid that fits the SMs one block each gets 8 warps a block (one an SM); a larger one a warp
+  // per tile of the longest run, rounded up to 2, 4 or 8 (the copies' split of rows), so that two
+  // blocks of 4 tiles share an SM (H200, 8B shape, DFlash batch 32: 256 blocks, 19.75-19.88 ->
+  // 18.95-19.07 ms a step; at batch 16, 128 blocks, two a SM were slower: 11.12 -> 11.68).
+  const int warps = int64_t{grid.x} <= sm_count() || most_tiles > 4 ? kMaxTiles : most_tiles <= 2 ? 2 : 4;
+  launch_smem(kernel, grid, warps * 32, smem, s, q.data, q.stride, k_cache.data, k_cache.stride, v_cache.data,
               v_cache.stride, rows, tiles, runs, page_tables, shp, heads, out.data, out.stride);
 }
 
@@ -259,13 +264,13 @@ void launch_shared_keys(const Mat& q, const Mat& k_cache, const Mat& v_cache, co
 int attention_shared_keys_most_tiles() { return kMaxTiles; }
 
 void launch_attention_shared_keys(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
-                                  const AttnTile* tiles, const AttnTile* runs, int n_runs, const int32_t* page_tables,
-                                  const AttnShape& shp, Mat out, cudaStream_t s) {
+                                  const AttnTile* tiles, const AttnTile* runs, int n_runs, int most_tiles,
+                                  const int32_t* page_tables, const AttnShape& shp, Mat out, cudaStream_t s) {
   if (n_runs == 0) return;
   if (shp.head_dim <= 64)
-    launch_shared_keys<64>(q, k_cache, v_cache, rows, tiles, runs, n_runs, page_tables, shp, out, s);
+    launch_shared_keys<64>(q, k_cache, v_cache, rows, tiles, runs, n_runs, most_tiles, page_tables, shp, out, s);
   else
-    launch_shared_keys<128>(q, k_cache, v_cache, rows, tiles, runs, n_runs, page_tables, shp, out, s);
+    launch_shared_keys<128>(q, k_cache, v_cache, rows, tiles, runs, n_runs, most_tiles, page_tables, shp, out, s);
 }
 
 }  // namespace dflash::cuda

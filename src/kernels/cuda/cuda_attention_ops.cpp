@@ -53,6 +53,7 @@ struct AttentionPlan {
   std::vector<AttnRow> decode_rows, long_rows;   // the others without keys
   std::vector<AttnTile> decode_tiles, prefill_tiles, long_tiles;
   std::vector<AttnTile> decode_runs;             // decode tiles of one sequence: {first tile, tiles}
+  int most_run_tiles = 1;
   std::vector<int32_t> tables;
   int decode_keys = 0, long_keys = 0;            // the most keys a launch is sized for
 };
@@ -167,7 +168,7 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
             runs.back().n_rows >= attention_run_tiles() || plan.decode_tiles[runs.back().first_row].first_row < seg.first_row)
           runs.push_back({t, 1});
         else
-          ++runs.back().n_rows;
+          plan.most_run_tiles = std::max(plan.most_run_tiles, ++runs.back().n_rows);
       }
       tiles.push_back({r, n});
       if (k == RowKernel::decode) plan.decode_keys = std::max(plan.decode_keys, launch_keys(seg));
@@ -223,6 +224,7 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
   // separate form.
   uint64_t mix = fresh ? 1 : 0;  // unsigned: the mix wraps around
   for (uint64_t v : {uint64_t(plan.decode_keys), uint64_t(plan.long_keys), uint64_t(n_tiles), uint64_t(n_runs),
+                     uint64_t(plan.most_run_tiles),
                      uint64_t(plan.prefill_tiles.size()), uint64_t(plan.long_tiles.size())})
     mix = mix * 1000003u + v;
   const auto decision = static_cast<int64_t>(mix);
@@ -242,7 +244,7 @@ void CudaBackend::run_attention(const Tensor& q, const AttnFresh* fresh, const T
                                  plan.decode_keys, d_tables, shape, ws, mat(out), forms_, s);
         else
           launch_attention(mat(q), mat(k_cache), mat(v_cache), d_rows, n_rows, d_tiles, n_tiles, d_runs, n_runs,
-                           plan.decode_keys, d_tables, shape, ws, mat(out), forms_, s);
+                           plan.most_run_tiles, plan.decode_keys, d_tables, shape, ws, mat(out), forms_, s);
       },
       decision);
 }

@@ -292,9 +292,9 @@ int attention_rows_per_tile(const AttnShape& shape);
 // Attention of every row over its sequence's paged keys; `tiles` cover the rows. `forms`: how
 // splits run and combine (KernelForms; every form gives the same bits).
 // `runs`: the tiles in runs of at most attention_run_tiles() tiles of one sequence ({first tile,
-// tiles}), for the shared-keys form (KernelForms::Splits).
+// tiles}; `most_tiles` in the longest), for the shared-keys form (KernelForms::Splits).
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
-                      const AttnTile* tiles, int n_tiles, const AttnTile* runs, int n_runs, int max_keys,
+                      const AttnTile* tiles, int n_tiles, const AttnTile* runs, int n_runs, int most_tiles, int max_keys,
                       const int32_t* page_tables, const AttnShape& shape, float* workspace, Mat out,
                       const KernelForms& forms, cudaStream_t s);
 // The most tiles of a run (launch_attention's runs).

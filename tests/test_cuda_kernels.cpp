@@ -840,6 +840,62 @@ TEST_P(CudaAttention, DecodeVerifyDraftAndPrefillSegmentsTogether) {
   EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin() + int64_t{r} * q_dim)) << "verify row differs from decode";
 }
 
+// The shared-keys form on grids larger than the GPU's SMs, whose blocks take a warp per tile of
+// the longest run (4 warps for 16-row blocks of a 4-head group, 2 for 8-row blocks) and share SMs:
+// the same bits as the split form, sequence by sequence.
+TEST_F(CudaOps, SharedKeysAttentionOnLargeGridsEqualsTheSplitForm) {
+  const int n_heads = 32, n_kv = 8, hd = 128, page = 16, n_seqs = 40;  // 40 x 8 KV heads: 320 blocks
+  const int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+  const AttentionParams ap{n_heads, n_kv, hd, 0, page};
+  std::uniform_int_distribution<int> past(40, 700);
+  for (int block_rows : {16, 8}) {
+    std::vector<int> n_past(n_seqs);
+    int n_pages = 0;
+    for (int& p : n_past) p = past(rng), n_pages += (p + block_rows + page - 1) / page;
+    std::vector<int32_t> perm(n_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    KvCache c = gpu->alloc_kv(1, n_pages, page, n_kv, hd);
+    std::vector<std::vector<int32_t>> tables;
+    std::vector<AttentionSegment> segs;
+    std::vector<int32_t> positions;
+    int next = 0, rows = 0;
+    for (int i = 0; i < n_seqs; ++i) {
+      const int n_keys = n_past[i] + block_rows, n_table = (n_keys + page - 1) / page;
+      tables.emplace_back(perm.begin() + next, perm.begin() + next + n_table);
+      next += n_table;
+    }
+    for (int i = 0; i < n_seqs; ++i) {
+      const int n_keys = n_past[i] + block_rows;
+      std::vector<int32_t> slots;
+      for (int p = 0; p < n_keys; ++p) slots.push_back(tables[i][p / page] * page + p % page);
+      const auto kh = bf16_rounded(test::random_vector(rng, static_cast<size_t>(n_keys) * kv_dim, 1.0f));
+      const auto vh = bf16_rounded(test::random_vector(rng, static_cast<size_t>(n_keys) * kv_dim, 1.0f));
+      Tensor k = gpu->upload_host(kh.data(), n_keys, kv_dim), v = gpu->upload_host(vh.data(), n_keys, kv_dim);
+      gpu->kv_write(k, v, c.k[0], c.v[0], slots);
+      segs.push_back({rows, block_rows, n_keys, tables[i].data(), i % 3 != 2});  // every third not causal
+      for (int r = 0; r < block_rows; ++r) positions.push_back(n_past[i] + r);
+      rows += block_rows;
+    }
+    const auto qh = bf16_rounded(test::random_vector(rng, static_cast<size_t>(rows) * q_dim, 2.0f));
+    Tensor q = gpu->upload_host(qh.data(), rows, q_dim);
+    using Splits = cuda::KernelForms::Splits;
+    auto attend = [&](Splits form) {
+      cuda::KernelForms forced;
+      forced.attention_splits = form;
+      cuda::force_kernel_forms(*gpu, forced);
+      const std::vector<float> nan(static_cast<size_t>(rows) * q_dim, NAN);
+      Tensor out = gpu->upload_host(nan.data(), rows, q_dim);
+      gpu->attention(q, c.k[0], c.v[0], segs, positions, ap, out);
+      cuda::force_kernel_forms(*gpu, {});
+      return gpu->to_host(out);
+    };
+    const auto split = attend(Splits::parallel), shared = attend(Splits::shared_keys);
+    ASSERT_FALSE(std::any_of(split.begin(), split.end(), [](float x) { return std::isnan(x); }));
+    EXPECT_EQ(shared, split) << block_rows << "-row blocks";
+  }
+}
+
 // Segments of many rows (prefill chunks: from the start, after cached keys, at 8k+ keys, not
 // causal) take the prefill form where the shape has it, rows with kAttnLongKeys+ keys the long
 // form (a verification block across that count, a decode row, a draft block), the other rows the

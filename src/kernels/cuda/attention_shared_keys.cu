@@ -41,12 +41,12 @@ struct SharedKeys {
 
 __device__ __forceinline__ uint4 load16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// groups[blockIdx.x / (KV heads x chunks)]: tiles [first_row, first_row + n_rows) of `tiles`, all of
+// runs[blockIdx.x / (KV heads x chunks)]: tiles [first_row, first_row + n_rows) of `tiles`, all of
 // one sequence (AttnTile read as a run of tiles).
 template <int HD>
 __global__ void __launch_bounds__(kMaxTiles * 32, 1)
     attention_shared_keys_kernel(const bf16* q, int64_t q_stride, const bf16* kc, int64_t k_stride, const bf16* vc,
-                                 int64_t v_stride, const AttnRow* rows, const AttnTile* tiles, const AttnTile* groups,
+                                 int64_t v_stride, const AttnRow* rows, const AttnTile* tiles, const AttnTile* runs,
                                  const int32_t* page_tables, AttnShape shp, int heads, bf16* out, int64_t out_stride) {
   constexpr int kChunks = HD / 32, kDimTiles = HD / 8, kRow = HD + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kMaxTiles * 32, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4, hd = shp.head_dim;
   const int group = shp.n_heads / shp.n_kv_heads, chunks = (group + heads - 1) / heads;
   const int chunk = blockIdx.x % chunks, kv_head = (blockIdx.x / chunks) % shp.n_kv_heads;
-  const AttnTile run = groups[blockIdx.x / chunks / shp.n_kv_heads];
+  const AttnTile run = runs[blockIdx.x / chunks / shp.n_kv_heads];
   const bool has_tile = warp < run.n_rows;
   const AttnTile tile = tiles[run.first_row + (has_tile ? warp : 0)];
   const AttnRow seq = rows[tiles[run.first_row].first_row];  // the sequence's keys and page table
@@ -84,10 +84,10 @@ __global__ void __launch_bounds__(kMaxTiles * 32, 1)
   const int n_splits = splits_s;
 
   // Split s's keys and values go into buffer s % kStages, one cp.async group a split (empty past
-  // the last): the block's 64, 128 or 256 threads take a key row each, 1, 2 or 4 threads a row,
-  // (keys past the sequence's and dims past head_dim read as zeros, as in the decode kernel). The
-  // row's cache slot is looked up a split ahead of its copies, so that the page table's round
-  // trip is not on the way to them.
+  // the last): the split's 64 key rows are shared out to the block's 64, 128 or 256 threads, 1, 2
+  // or 4 threads a row (keys past the sequence's and dims past head_dim read as zeros, as in the
+  // decode kernel). A row's cache slot is looked up a split ahead of its copies, so that the page
+  // table's round trip is not on the way to them.
   const int per_row = static_cast<int>(blockDim.x) / kAttnSplitKeys, pieces = HD / 8 / per_row;
   const int my_row = threadIdx.x / per_row, my_part = (threadIdx.x % per_row) * pieces;
   auto slot_of = [&](int split) -> int64_t {
@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(kMaxTiles * 32, 1)
                      : zero;
   const float scale = rsqrtf(static_cast<float>(hd));
 
-  // The running state of the vectors with several splits (m, l and, one dim tile a pair of
-  // registers rows, acc); a vector with one split keeps that split's l and acc here.
+  // The running state of the vectors with several splits: m and l a vector, acc a dim tile (in
+  // registers); a vector with one split keeps that split's l and acc here.
   float st_m[2] = {-INFINITY, -INFINITY}, st_l[2] = {0.0f, 0.0f}, st[kDimTiles][4];
 #pragma unroll
   for (int nt = 0; nt < kDimTiles; ++nt)

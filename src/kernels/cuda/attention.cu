@@ -337,8 +337,6 @@ void launch_attention_fresh(const Mat& q, const AttnFresh& fresh, const Mat& k_c
   if (!combined) launch_combine(rows, n_rows, splits, shp, workspace, out, early, forms.combine, s);
 }
 
-int attention_run_tiles() { return attention_shared_keys_most_tiles(); }
-
 void launch_attention(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows, int n_rows,
                       const AttnTile* tiles, int n_tiles, const AttnTile* runs, int n_runs, int most_tiles, int max_keys,
                       const int32_t* page_tables, const AttnShape& shp, float* workspace, Mat out,

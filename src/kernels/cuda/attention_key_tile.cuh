@@ -15,6 +15,9 @@
 
 namespace dflash::cuda {
 
+// 16 bytes through the read-only path (queries: written by an earlier kernel).
+__device__ __forceinline__ uint4 load16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
 // sc[t] += (vector g, keys 8t + 2qd + {0, 1}) and (vector g + 8, the same keys): one mma per
 // chunk and half, in chunk order.
 template <int kChunks>

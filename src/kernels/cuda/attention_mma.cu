@@ -38,7 +38,6 @@ namespace {
 constexpr int kWarps = kAttnSplitKeys / 16;  // 16 keys per warp
 constexpr int kVecs = 16;                    // query vectors per block: the mma M side
 
-__device__ __forceinline__ uint4 load16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 // A key row's 16 bytes, L2 fetching the whole 128-byte line from DRAM at once (a key row's head
 // is 128-256 bytes; key and value rows both carry the hint: H100, context 2048, batch 32, 11.62
 // -> 11.45 ms a plain step, no change at batch 1); kL2Only: through L2 only (.cg, not kept in L1)

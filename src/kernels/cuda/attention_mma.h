@@ -38,7 +38,5 @@ void launch_attention_mma(const Mat& q, const AttnFresh& fresh, const Mat& k_cac
 void launch_attention_shared_keys(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
                                   const AttnTile* tiles, const AttnTile* runs, int n_runs, int most_tiles,
                                   const int32_t* page_tables, const AttnShape& shape, Mat out, cudaStream_t s);
-// The most tiles (warps) a block of that form takes.
-int attention_shared_keys_most_tiles();
 
 }  // namespace dflash::cuda

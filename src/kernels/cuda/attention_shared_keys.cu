@@ -39,8 +39,6 @@ struct SharedKeys {
   bf16 v[kStages][kAttnSplitKeys][HD + 8];
 };
 
-__device__ __forceinline__ uint4 load16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
 // runs[blockIdx.x / (KV heads x chunks)]: tiles [first_row, first_row + n_rows) of `tiles`, all of
 // one sequence (AttnTile read as a run of tiles).
 template <int HD>
@@ -261,7 +259,7 @@ void launch_shared_keys(const Mat& q, const Mat& k_cache, const Mat& v_cache, co
 
 }  // namespace
 
-int attention_shared_keys_most_tiles() { return kMaxTiles; }
+int attention_run_tiles() { return kMaxTiles; }
 
 void launch_attention_shared_keys(const Mat& q, const Mat& k_cache, const Mat& v_cache, const AttnRow* rows,
                                   const AttnTile* tiles, const AttnTile* runs, int n_runs, int most_tiles,

@@ -13,9 +13,10 @@
 # layers of the 30B-A3B shape, "8b" = the 8B shape; default moe12), BATCHES / BATCHES_8B, ROUNDS /
 # ROUNDS_8B, CONTEXT (512); TRACE="NAME ..." adds a CUPTI kernel trace of those variants on moe12 at
 # TRACE_BATCH (1); TESTS=FILTER runs dflash_tests --gtest_filter=FILTER with the last variant (the
-# bundled-pair tests need `slim` instead of `slim models`). A device call returns at most 8 files:
-# the per-variant bench-step outputs (builds_MODEL_NAME.txt), tests.txt, and everything else in
-# extra.tar.xz.
+# bundled-pair tests need `slim` instead of `slim models`). A device call returns at most 8 files, so
+# OUT gets three: summary.txt (every variant's ms a step side by side, tools/ab_table.py, rewritten
+# after each round: a call stopped by its time limit still returns the rounds done), tests.txt, and
+# extra.tar.xz with the rest (the per-variant bench-step outputs extra/builds_MODEL_NAME.txt, traces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: device-ab.sh pack NAME=LIB ... | run OUT}
@@ -86,11 +87,16 @@ for model in $models; do
   fi
   for round in $(seq "$rounds"); do
     for name in "${variants[@]}"; do
-      echo "== $model round $round: $name ==" >> "$out/builds_${model}_$name.txt"
+      echo "== $model round $round: $name ==" >> "$out/extra/builds_${model}_$name.txt"
       run_variant "$name" bench-step --device cuda "${pair[@]}" --batch "$batches" --context "${CONTEXT:-512}" \
-        --skip-kernels --leak-check-steps 0 >> "$out/builds_${model}_$name.txt" 2>&1 || status=1
+        --skip-kernels --leak-check-steps 0 >> "$out/extra/builds_${model}_$name.txt" 2>&1 || status=1
       log_time "$model round $round $name"
     done
+    for done_model in $models; do
+      python3 tools/ab_table.py "$out/extra" "$done_model" "${variants[@]}" || status=1
+      echo
+      [ "$done_model" = "$model" ] && break
+    done > "$out/summary.txt"
   done
 done
 for name in ${TRACE:-}; do

@@ -57,8 +57,8 @@ void CudaBackend::moe_to(const Tensor& x, const MoeWeights& w, Tensor& out, Tens
   // more per item, but the 32-pair forms' wider token tiles cost more than that where experts hold
   // a few pairs each (H200, 12 layers of the 30B-A3B shape, uniform routers: plain batch 32
   // 4.56 -> 3.85-3.94 ms, plain 64 5.28-5.30 -> 4.56-4.59, DFlash batch 2 2.81-2.82 -> 2.57-2.59,
-  // batch 4 3.63-3.65 -> 3.48-3.49, batch 8 5.13-5.15 -> 4.94-4.97; 8-pair items from 17 rows on
-  // were slower at DFlash batch 1-4: bench/results/bench_step_h200_moe_item_pairs_ab.txt).
+  // batch 4 3.63-3.65 -> 3.48-3.49, batch 8 5.13-5.15 -> 4.94-4.97; 8-pair items were slower than
+  // 16 at DFlash batch 1, 2 and 4: bench/results/bench_step_h200_moe_item_pairs_ab.txt).
   const int tile = wide ? kMoeGemmPairs : m <= 8 ? 8 : m <= 128 ? 16 : 32;
   routed_tile_products_ += wide;
   const int max_items = static_cast<int>(items_of(tile));

@@ -18,7 +18,7 @@
 # `run` needs python3 with torch, transformers and safetensors (the device has them) for the
 # random 8B-shaped checkpoints (tools/make_random_checkpoint.py) and the logits check.
 # Steps can be chosen with STEPS="fixtures-moe fixtures-qwen3_5 fixtures-qwen3_next tests logits sites bench bench-moe bench-qwen3_5 profile ab builds serving
-# serving-moe ttft sampling ncu ncu-decode ncu-sectors graphs tp serving-tp" (default: tests logits bench serving; tp and
+# serving-moe ttft sampling ncu ncu-decode ncu-moe-b1 ncu-sectors graphs tp serving-tp" (default: tests logits bench serving; tp and
 # serving-tp need a kind with several GPUs, TP of them). STEPS=builds BUILDS_MODEL=moe12 times two builds
 # on 12 layers of the 30B-A3B shape instead of the 8B-shaped pair.
 set -euo pipefail
@@ -296,6 +296,20 @@ if [[ " $steps " == *" ncu-decode "* ]]; then
     > "$out/ncu_decode_run.txt" 2>&1 || status=1
   ncu -i "$out/ncu_decode.ncu-rep" --print-details all > "$out/ncu_decode.txt" 2>&1 || status=1
   ncu -i "$out/ncu_decode.ncu-rep" --page source --csv --print-source sass > "$out/ncu_decode_sass.csv" 2>&1 || status=1
+fi
+
+if [[ " $steps " == *" ncu-moe-b1 "* ]]; then
+  # Nsight Compute (--set full) on one launch of each launch configuration of the decode attention
+  # and its split combine at batch 1 on 12 layers of the 30B-A3B shape, context 512: the plain
+  # step's (one row) and the DFlash step's (16 rows of the draft block and of the verification),
+  # with per-instruction SASS counters: bench/results/ncu_h200_attention_b1_moe.txt.
+  random_moe12_pair
+  with_libs ncu --clock-control none --set full --import-source no --filter-mode per-launch-config \
+    -k regex:'attention_mma|combine_kernel' --launch-count 1 -o "$out/ncu_moe_b1" build-dev/dflash bench-step \
+    --device cuda --model "$ckpt/qwen3-30b-a3b-12l" --draft "$ckpt/dflash-30b-a3b-12l" --batch 1 --context 512 \
+    --iters 1 --warmup 1 --skip-kernels --leak-check-steps 0 > "$out/ncu_moe_b1_run.txt" 2>&1 || status=1
+  ncu -i "$out/ncu_moe_b1.ncu-rep" --print-details all > "$out/ncu_moe_b1.txt" 2>&1 || status=1
+  ncu -i "$out/ncu_moe_b1.ncu-rep" --page source --csv --print-source sass > "$out/ncu_moe_b1_sass.csv" 2>&1 || status=1
 fi
 
 if [[ " $steps " == *" ncu-sectors "* ]]; then

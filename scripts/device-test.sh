@@ -299,13 +299,14 @@ if [[ " $steps " == *" ncu-decode "* ]]; then
 fi
 
 if [[ " $steps " == *" ncu-moe-b1 "* ]]; then
-  # Nsight Compute (--set full) on one launch of each launch configuration of the decode attention
-  # and its split combine at batch 1 on 12 layers of the 30B-A3B shape, context 512: the plain
-  # step's (one row) and the DFlash step's (16 rows of the draft block and of the verification),
-  # with per-instruction SASS counters: bench/results/ncu_h200_attention_b1_moe.txt.
+  # Nsight Compute (--set full) on one launch of each launch configuration of the kernels NCU_REGEX
+  # matches (default: the decode attention and its split combine) at batch 1 on 12 layers of the
+  # 30B-A3B shape, context 512: the plain step's (one row) and the DFlash step's (16 rows of the
+  # draft block and of the verification), with per-instruction SASS counters:
+  # bench/results/ncu_h200_attention_b1_moe.txt.
   random_moe12_pair
   with_libs ncu --clock-control none --set full --import-source no --filter-mode per-launch-config \
-    -k regex:'attention_mma|combine_kernel' --launch-count 1 -o "$out/ncu_moe_b1" build-dev/dflash bench-step \
+    -k regex:"${NCU_REGEX:-attention_mma|combine_kernel}" --launch-count 1 -o "$out/ncu_moe_b1" build-dev/dflash bench-step \
     --device cuda --model "$ckpt/qwen3-30b-a3b-12l" --draft "$ckpt/dflash-30b-a3b-12l" --batch 1 --context 512 \
     --iters 1 --warmup 1 --skip-kernels --leak-check-steps 0 > "$out/ncu_moe_b1_run.txt" 2>&1 || status=1
   ncu -i "$out/ncu_moe_b1.ncu-rep" --print-details all > "$out/ncu_moe_b1.txt" 2>&1 || status=1

@@ -75,10 +75,11 @@ def timeline(hdr, rows, top):
            f"stall samples {samples}",
            "instructions a warp before each marker (executed ones):"]
     cum, last = 0, None
-    listed, runs = [], []
+    listed, runs, position = [], [], []  # position: instructions a warp up to each row
     for r in rows:
         n = count(r)
         cum += n
+        position.append(cum / warps)
         m = MARKERS.search(r[1])
         if m and n:
             op = m.group(1).split(".")[0]
@@ -88,11 +89,10 @@ def timeline(hdr, rows, top):
                 listed.append(f"  {cum / warps:8.1f}  {r[1].strip()[:70]}")
                 runs.append(1)
             last = op
-        r.append(f"{cum / warps:.1f}")
     out += [line + (f"  (x{n})" if n > 1 else "") for line, n in zip(listed, runs)]
     out.append(f"top {top} instructions by stall samples (samples, instructions a warp so far, instruction):")
-    for r in sorted(rows, key=lambda r: -int(r[stalls] or 0))[:top]:
-        out.append(f"  {int(r[stalls] or 0):5d} {r[-1]:>8}  {r[1].strip()[:70]}")
+    for i in sorted(range(len(rows)), key=lambda i: -int(rows[i][stalls] or 0))[:top]:
+        out.append(f"  {int(rows[i][stalls] or 0):5d} {position[i]:8.1f}  {rows[i][1].strip()[:70]}")
     return out
 
 

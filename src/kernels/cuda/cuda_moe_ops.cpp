@@ -55,11 +55,8 @@ void CudaBackend::moe_to(const Tensor& x, const MoeWeights& w, Tensor& out, Tens
                     pairs >= int64_t{kMoeWideMinPairs} * w.n_experts && items_of(kMoeGemmPairs) <= 65535;
   // Items of up to 16 pairs from 9 rows to 256: an expert with more pairs streams its weights once
   // more per item, but the 32-pair forms' wider token tiles cost more than that where experts hold
-  // a few pairs each (H200, 12 layers of the 30B-A3B shape, uniform routers: plain batch 32
-  // 4.56 -> 3.85-3.94 ms, plain 64 5.28-5.30 -> 4.56-4.59, DFlash batch 2 2.81-2.82 -> 2.57-2.59,
-  // batch 4 3.63-3.65 -> 3.48-3.49, batch 8 5.13-5.15 -> 4.94-4.97, batch 16 (256 rows, about 16
-  // pairs an expert) 7.62-7.63 -> 7.41-7.46; 8-pair items were slower than 16 at DFlash batch 1, 2
-  // and 4: bench/results/bench_step_h200_moe_item_pairs_ab.txt, bench_step_h200_moe_items_256_rows_ab.txt).
+  // a few pairs each (uniform routers; 8-pair items lost to 16 where a DFlash block's rows share
+  // experts). Measured: bench/results/bench_step_h200_moe_item_pairs_ab.txt, bench_step_h200_moe_items_256_rows_ab.txt.
   const int tile = wide ? kMoeGemmPairs : m <= 8 ? 8 : m <= 256 ? 16 : 32;
   routed_tile_products_ += wide;
   const int max_items = static_cast<int>(items_of(tile));

@@ -49,6 +49,17 @@ __device__ __forceinline__ float merged(float x, float x_split, const MergeCoef&
 // The output value of a combined state: acc / l (0 for a row that saw no key).
 __device__ __forceinline__ float inverse_of_sum(float l) { return l > 0.0f ? __fdiv_rn(1.0f, l) : 0.0f; }
 
+// *p where `on`, else `otherwise`: a load through L2 only (.cg, as __ldcg) under a predicate, so
+// that a batch of them is straight-line code with no memory traffic for the loads that are off
+// (CUDA's __ldcg is inline assembly, which the compiler guards with a branch instead).
+__device__ __forceinline__ float ldcg_if(const float* p, bool on, float otherwise) {
+  float x = otherwise;
+  asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q ld.global.cg.f32 %0, [%1];\n\t}"
+      : "+f"(x)
+      : "l"(p), "r"(static_cast<int>(on)));
+  return x;
+}
+
 // One warp combines the splits of one (row, head), or of its dims from dim0 on: `base` holds
 // n_splits partials of (m, l, acc[hd]) floats, merged in split order as above. Everything kBatch
 // splits need is requested before any of it is used (one trip to L2 for a row of up to kBatch
@@ -63,17 +74,22 @@ __device__ __forceinline__ void combine_splits(const float* base, int n_splits, 
   float m = -INFINITY, l = 0.0f, a[kDims];
 #pragma unroll
   for (int j = 0; j < kDims; ++j) a[j] = 0.0f;
+  // Predicated loads from a pointer walked a split at a time: the branches and address work of
+  // guarded __ldcg loads were 511 of the 16-row combine's 919 instructions a warp before its first
+  // merge (Nsight Compute, H200: bench/results/ncu_h200_attention_b1_moe.txt).
+  const float* split_at = base;
   for (int s0 = 0; s0 < n_splits; s0 += kBatch) {
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int s = s0 + u;
-      mb[u] = s < n_splits ? __ldcg(base + s * stride) : -INFINITY;
-      lb[u] = s < n_splits ? __ldcg(base + s * stride + 1) : 0.0f;
+      const bool ok = s0 + u < n_splits;
+      mb[u] = ldcg_if(split_at, ok, -INFINITY);
+      lb[u] = ldcg_if(split_at + 1, ok, 0.0f);
 #pragma unroll
       for (int j = 0; j < kDims; ++j) {
         const int d = dim0 + lane + 32 * j;
-        v[u][j] = s < n_splits && d < hd ? __ldcg(base + s * stride + 2 + d) : 0.0f;  // every split writes its values
+        v[u][j] = ldcg_if(split_at + 2 + d, ok && d < hd, 0.0f);  // every split writes its values
       }
+      split_at += stride;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {

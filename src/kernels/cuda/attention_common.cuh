@@ -49,18 +49,6 @@ __device__ __forceinline__ float merged(float x, float x_split, const MergeCoef&
 // The output value of a combined state: acc / l (0 for a row that saw no key).
 __device__ __forceinline__ float inverse_of_sum(float l) { return l > 0.0f ? __fdiv_rn(1.0f, l) : 0.0f; }
 
-// *p where `on`, else `otherwise`: a load through L2 only (.cg, as __ldcg) under a predicate, so
-// that a batch of them is straight-line code with no memory traffic for the loads that are off
-// (CUDA's __ldcg is inline assembly, which the compiler guards with a branch instead). Volatile:
-// it stays after the kernel's wait for the partials' writer (pdl_wait, a volatile asm).
-__device__ __forceinline__ float ldcg_if(const float* p, bool on, float otherwise) {
-  float x = otherwise;
-  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q ld.global.cg.f32 %0, [%1];\n\t}"
-      : "+f"(x)
-      : "l"(p), "r"(static_cast<int>(on)));
-  return x;
-}
-
 // One warp combines the splits of one (row, head), or of its dims from dim0 on: `base` holds
 // n_splits partials of (m, l, acc[hd]) floats, merged in split order as above. Everything kBatch
 // splits need is requested before any of it is used (one trip to L2 for a row of up to kBatch

@@ -63,17 +63,22 @@ __device__ __forceinline__ void combine_splits(const float* base, int n_splits, 
   float m = -INFINITY, l = 0.0f, a[kDims];
 #pragma unroll
   for (int j = 0; j < kDims; ++j) a[j] = 0.0f;
+  // Predicated loads from a pointer walked a split at a time: the branches and address work of
+  // guarded __ldcg loads were 511 of the 16-row combine's 919 instructions a warp before its first
+  // merge (Nsight Compute, H200: bench/results/ncu_h200_attention_b1_moe.txt).
+  const float* split_at = base;
   for (int s0 = 0; s0 < n_splits; s0 += kBatch) {
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int s = s0 + u;
-      mb[u] = s < n_splits ? __ldcg(base + s * stride) : -INFINITY;
-      lb[u] = s < n_splits ? __ldcg(base + s * stride + 1) : 0.0f;
+      const bool ok = s0 + u < n_splits;
+      mb[u] = ldcg_if(split_at, ok, -INFINITY);
+      lb[u] = ldcg_if(split_at + 1, ok, 0.0f);
 #pragma unroll
       for (int j = 0; j < kDims; ++j) {
         const int d = dim0 + lane + 32 * j;
-        v[u][j] = s < n_splits && d < hd ? __ldcg(base + s * stride + 2 + d) : 0.0f;  // every split writes its values
+        v[u][j] = ldcg_if(split_at + 2 + d, ok && d < hd, 0.0f);  // every split writes its values
       }
+      split_at += stride;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {

@@ -287,9 +287,9 @@ __global__ void long_combine_kernel(const AttnRow* __restrict__ rows, int n_rows
       for (int u = 0; u < kBatch; ++u) {
         const bool ok = s0 + u < n_splits;
         const float* part = base + (s0 + u) * (hd + 2);
-        mb[u] = ok ? __ldcg(part) : -INFINITY;
-        lb[u] = ok ? __ldcg(part + 1) : 0.0f;
-        v[u] = ok ? __ldcg(part + 2 + d) : 0.0f;
+        mb[u] = ldcg_if(part, ok, -INFINITY);  // predicated, not branched (ldcg_if)
+        lb[u] = ldcg_if(part + 1, ok, 0.0f);
+        v[u] = ldcg_if(part + 2 + d, ok, 0.0f);
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {

@@ -28,6 +28,18 @@ __device__ __forceinline__ float round_bf(float v) { return __bfloat162float(__f
 __device__ __forceinline__ float ld(const uint16_t* p) { return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p)); }
 __device__ __forceinline__ float ld(const float* p) { return *p; }
 
+// *p where `on`, else `otherwise`: a load through L2 only (.cg, as __ldcg) under a predicate, so
+// that a batch of them is straight-line code with no memory traffic for the loads that are off
+// (CUDA's __ldcg is inline assembly, which the compiler guards with a branch instead). Volatile:
+// it stays after the kernel's wait (pdl_wait, a volatile asm) for whatever wrote *p.
+__device__ __forceinline__ float ldcg_if(const float* p, bool on, float otherwise) {
+  float x = otherwise;
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q ld.global.cg.f32 %0, [%1];\n\t}"
+      : "+f"(x)
+      : "l"(p), "r"(static_cast<int>(on)));
+  return x;
+}
+
 // Eight bf16 values (16 bytes) as floats, and back (rounded to nearest).
 __device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
   const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);

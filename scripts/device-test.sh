@@ -303,7 +303,8 @@ if [[ " $steps " == *" ncu-moe-b1 "* ]]; then
   # matches (default: the decode attention and its split combine) at batch 1 (NCU_BATCH) on 12 layers
   # of the 30B-A3B shape, context 512: the plain step's (one row) and the DFlash step's (16 rows of the
   # draft block and of the verification), with per-instruction SASS counters, read by
-  # tools/ncu_summary.py into ncu_moe_b1_summary.txt: bench/results/ncu_h200_attention_b1_moe.txt.
+  # tools/ncu_summary.py into ncu_moe_b1_summary.txt: bench/results/ncu_h200_attention_b1_moe.txt. NCU_HOT=N
+  # adds each kernel's instructions executed N times a warp or more (its loop bodies: ncu_summary.py --hot).
   random_moe12_pair
   with_libs ncu --clock-control none --set full --metrics dram__bytes_read.sum --import-source no --filter-mode per-launch-config \
     -k regex:"${NCU_REGEX:-attention_mma|combine_kernel}" --launch-count 1 -o "$out/ncu_moe_b1" build-dev/dflash bench-step \
@@ -311,7 +312,8 @@ if [[ " $steps " == *" ncu-moe-b1 "* ]]; then
     --iters 1 --warmup 1 --skip-kernels --leak-check-steps 0 > "$out/ncu_moe_b1_run.txt" 2>&1 || status=1
   ncu -i "$out/ncu_moe_b1.ncu-rep" --print-details all > "$out/ncu_moe_b1.txt" 2>&1 || status=1
   ncu -i "$out/ncu_moe_b1.ncu-rep" --page source --csv --print-source sass > "$out/ncu_moe_b1_sass.csv" 2>&1 || status=1
-  python3 tools/ncu_summary.py "$out/ncu_moe_b1.txt" "$out/ncu_moe_b1_sass.csv" > "$out/ncu_moe_b1_summary.txt" 2>&1 ||
+  python3 tools/ncu_summary.py "$out/ncu_moe_b1.txt" "$out/ncu_moe_b1_sass.csv" --hot "${NCU_HOT:-0}" \
+    > "$out/ncu_moe_b1_summary.txt" 2>&1 ||
     status=1
 fi
 

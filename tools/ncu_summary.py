@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """A short reading of an Nsight Compute report of a few kernels (scripts/device-test.sh's ncu steps).
 
-    python3 tools/ncu_summary.py DETAILS.txt SASS.csv [--top N]
+    python3 tools/ncu_summary.py DETAILS.txt SASS.csv [--top N] [--hot MIN]
 
 DETAILS.txt: `ncu -i R --print-details all`; SASS.csv: `ncu -i R --page source --csv --print-source sass`, with the
 kernels in the same order. For each kernel: its launch, the main lines of the throughput, scheduler, warp-state,
 instruction, launch and occupancy sections, then where a warp's instructions go (the cumulative instructions a warp
 at each wait, barrier, run of tensor-core products and exit: the first instruction runs once a warp, so its count is
-the warps) and the instructions with the most stall samples.
+the warps) and the instructions with the most stall samples. --hot MIN adds, in address order, every instruction a
+warp executes MIN times or more with its count a warp and its stall samples: a kernel's loop bodies (a product's
+per-chunk instructions, with MIN below its chunks a warp).
 """
 import argparse
 import csv
@@ -61,6 +63,20 @@ def sass(path):
     return out
 
 
+def hot(hdr, rows, least):
+    """The instructions executed `least` times a warp or more, in address order."""
+    executed = hdr.index("Instructions Executed")
+    stalls = hdr.index("Warp Stall Sampling (All Samples)")
+    count = lambda r: int(r[executed] or 0)
+    warps = count(rows[0]) if rows else 0
+    if not warps:
+        return []
+    picked = [r for r in rows if count(r) >= least * warps]
+    out = [f"instructions executed {least}+ times a warp: {len(picked)} (times a warp, stall samples, instruction):"]
+    out += [f"  {count(r) / warps:8.1f} {int(r[stalls] or 0):6d}  {r[1].strip()[:90]}" for r in picked]
+    return out
+
+
 def timeline(hdr, rows, top):
     executed = hdr.index("Instructions Executed")
     stalls = hdr.index("Warp Stall Sampling (All Samples)")
@@ -101,6 +117,7 @@ def main():
     ap.add_argument("details")
     ap.add_argument("sass")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--hot", type=float, default=0, help="list instructions executed this many times a warp or more")
     args = ap.parse_args()
     kernels, code = details(args.details), sass(args.sass)
     # The csv may list a kernel twice in a row (once per source view); keep one of each.
@@ -117,6 +134,9 @@ def main():
         if k < len(unique):
             for line in timeline(unique[k][1], unique[k][2], args.top):
                 print("  " + line)
+            if args.hot > 0:
+                for line in hot(unique[k][1], unique[k][2], args.hot):
+                    print("  " + line)
         print()
 
 

@@ -182,19 +182,44 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
   };
   // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
   // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
-  auto issue_w = [&](int i, const Operands& o) {
+  // The 16-pair items' gate/up form looks its pieces' rows up once a unit (lane_rows: the piece of
+  // the warp's first chunk, null past N) and steps them a chunk at a time, instead of a 64-bit
+  // product a piece and chunk: it ran about 325 instructions a warp a chunk against 180 in the
+  // 8-pair form (bench/results/ncu_h200_routed_b8_moe.txt). Elsewhere the held pointers cost
+  // registers (8-pair gate/up 80 -> 94: two blocks an SM instead of three; 16-pair down spills).
+  constexpr bool kLaneRows = kRouted && kSwiglu && MT == 2;
+  struct LaneRows {
+    const bf16* w[2 * RT];
+  };
+  auto lane_rows = [&](const Operands& o) {
+    LaneRows lr;
+#pragma unroll
+    for (int j = 0; j < 2 * RT; ++j) {
+      const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
+      const int64_t f = o.n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
+      const int64_t row = kSwiglu && rt == 1 ? N + f : f;
+      lr.w[j] = f < N ? o.w + row * w_stride + warp * kChunk + part * 8 : nullptr;
+    }
+    return lr;
+  };
+  auto issue_w = [&](int i, const Operands& o, const LaneRows& lr) {
     if (i >= n_mine) return;
     const int k0 = (warp + i * kWarps) * kChunk;
     St& st = ring[i % S];
 #pragma unroll
     for (int j = 0; j < 2 * RT; ++j) {
       const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
-      const int64_t f = o.n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
-      const int64_t row = kSwiglu && rt == 1 ? N + f : f;
       const int k = k0 + part * 8;
-      const bool ok = f < N && k < K;  // K % 8 == 0: a piece is all in or all out
-      const bf16* src = ok ? o.w + row * w_stride + k : o.w;
-      cp_async16_evict_first(&st.w[rt][r][part], src, ok, w_policy);
+      if constexpr (kLaneRows) {
+        const bool ok = lr.w[j] && k < K;  // K % 8 == 0: a piece is all in or all out
+        cp_async16_evict_first(&st.w[rt][r][part], ok ? lr.w[j] + int64_t{i} * (kWarps * kChunk) : o.w, ok, w_policy);
+      } else {
+        const int64_t f = o.n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
+        const int64_t row = kSwiglu && rt == 1 ? N + f : f;
+        const bool ok = f < N && k < K;
+        const bf16* src = ok ? o.w + row * w_stride + k : o.w;
+        cp_async16_evict_first(&st.w[rt][r][part], src, ok, w_policy);
+      }
     }
   };
   auto issue_x = [&](int i, const Operands& o) {
@@ -212,9 +237,10 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
   // The first S stages, one cp.async group each: the weights, and the token rows too when they
   // are complete already (with_x: after the kernel's wait).
   auto issue_first = [&](const Operands& o, bool with_x) {
+    const LaneRows lr = lane_rows(o);
 #pragma unroll
     for (int i = 0; i < S; ++i) {
-      issue_w(i, o);
+      issue_w(i, o, lr);
       if (with_x) issue_x(i, o);
       cp_async_commit();
     }
@@ -228,6 +254,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
   // unit's pairs there, so that they have arrived when next() uses them).
   auto product = [&](const Operands& o, bool wait, bool issued, bool has_next, auto&& mid, auto&& next) {
     const int M = o.M;
+    const LaneRows lr = lane_rows(o);
     if (!issued) issue_first(o, false);
     if (wait) pdl_begin();
     // A pushing product's exchange number, read once its wait is over and used by the epilogue:
@@ -284,7 +311,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
         for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
       }
       __syncwarp();  // every lane has read the stage before it is refilled
-      issue_w(i + S, o);
+      issue_w(i + S, o, lr);
       issue_x(i + S, o);
       cp_async_commit();
 #pragma unroll

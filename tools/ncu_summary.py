@@ -63,29 +63,32 @@ def sass(path):
     return out
 
 
-def hot(hdr, rows, least):
-    """The instructions executed `least` times a warp or more, in address order."""
+def counters(hdr, rows):
+    """A row's executed instructions and stall samples (functions of a row), and the kernel's warps."""
     executed = hdr.index("Instructions Executed")
     stalls = hdr.index("Warp Stall Sampling (All Samples)")
     count = lambda r: int(r[executed] or 0)
-    warps = count(rows[0]) if rows else 0
+    samples = lambda r: int(r[stalls] or 0)
+    return count, samples, count(rows[0]) if rows else 0
+
+
+def hot(hdr, rows, least):
+    """The instructions executed `least` times a warp or more, in address order."""
+    count, samples, warps = counters(hdr, rows)
     if not warps:
         return []
     picked = [r for r in rows if count(r) >= least * warps]
     out = [f"instructions executed {least}+ times a warp: {len(picked)} (times a warp, stall samples, instruction):"]
-    out += [f"  {count(r) / warps:8.1f} {int(r[stalls] or 0):6d}  {r[1].strip()[:90]}" for r in picked]
+    out += [f"  {count(r) / warps:8.1f} {samples(r):6d}  {r[1].strip()[:90]}" for r in picked]
     return out
 
 
 def timeline(hdr, rows, top):
-    executed = hdr.index("Instructions Executed")
-    stalls = hdr.index("Warp Stall Sampling (All Samples)")
-    count = lambda r: int(r[executed] or 0)
-    warps = count(rows[0]) if rows else 0
+    count, samples_of, warps = counters(hdr, rows)
     if not warps:
         return ["(no instructions executed)"]
     total = sum(count(r) for r in rows)
-    samples = sum(int(r[stalls] or 0) for r in rows)
+    samples = sum(samples_of(r) for r in rows)
     branches = sum(count(r) for r in rows if re.search(r"(^|\s)BRA\b", r[1].strip()))
     out = [f"warps {warps}, instructions a warp {total / warps:.0f} ({branches / warps:.0f} branches), "
            f"stall samples {samples}",
@@ -107,8 +110,8 @@ def timeline(hdr, rows, top):
             last = op
     out += [line + (f"  (x{n})" if n > 1 else "") for line, n in zip(listed, runs)]
     out.append(f"top {top} instructions by stall samples (samples, instructions a warp so far, instruction):")
-    for i in sorted(range(len(rows)), key=lambda i: -int(rows[i][stalls] or 0))[:top]:
-        out.append(f"  {int(rows[i][stalls] or 0):5d} {position[i]:8.1f}  {rows[i][1].strip()[:70]}")
+    for i in sorted(range(len(rows)), key=lambda i: -samples_of(rows[i]))[:top]:
+        out.append(f"  {samples_of(rows[i]):5d} {position[i]:8.1f}  {rows[i][1].strip()[:70]}")
     return out
 
 

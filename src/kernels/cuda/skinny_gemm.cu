@@ -182,25 +182,19 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
   };
   // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
   // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
-  // The 16-pair items' gate/up form looks its pieces' rows up once a unit (lane_rows: the piece of
-  // the warp's first chunk, null past N) and steps them a chunk at a time, instead of a 64-bit
-  // product a piece and chunk: it ran about 325 instructions a warp a chunk against 180 in the
-  // 8-pair form (bench/results/ncu_h200_routed_b8_moe.txt). Elsewhere the held pointers cost
-  // registers (8-pair gate/up 80 -> 94: two blocks an SM instead of three; 16-pair down spills).
-  constexpr bool kLaneRows = kRouted && kSwiglu && MT == 2;
+  // The routed forms look their pieces' rows up once a unit: piece j of this lane is row
+  // n0 + g + 8 (j % 2) of tile j / 2 (+ N for the SwiGLU form's up tile), so one pointer (lane_rows:
+  // the lane's first row at the warp's first chunk) and offsets that are the same for every lane
+  // give every piece of every chunk, instead of a 64-bit product a piece and chunk (the 16-pair
+  // items' gate/up ran about 325 instructions a warp a chunk against 180 in the 8-pair form:
+  // bench/results/ncu_h200_routed_b8_moe.txt).
+  constexpr bool kLaneRows = kRouted;
   struct LaneRows {
-    const bf16* w[2 * RT];
+    const bf16* w;  // row n0 + g, k = warp's first chunk + 8 (lane % 4)
+    int64_t f;      // feature n0 + g
   };
   auto lane_rows = [&](const Operands& o) {
-    LaneRows lr;
-#pragma unroll
-    for (int j = 0; j < 2 * RT; ++j) {
-      const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
-      const int64_t f = o.n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
-      const int64_t row = kSwiglu && rt == 1 ? N + f : f;
-      lr.w[j] = f < N ? o.w + row * w_stride + warp * kChunk + part * 8 : nullptr;
-    }
-    return lr;
+    return LaneRows{o.w + (o.n0 + g) * w_stride + warp * kChunk + q * 8, o.n0 + g};
   };
   auto issue_w = [&](int i, const Operands& o, const LaneRows& lr) {
     if (i >= n_mine) return;
@@ -211,8 +205,11 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
       const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
       const int k = k0 + part * 8;
       if constexpr (kLaneRows) {
-        const bool ok = lr.w[j] && k < K;  // K % 8 == 0: a piece is all in or all out
-        cp_async16_evict_first(&st.w[rt][r][part], ok ? lr.w[j] + int64_t{i} * (kWarps * kChunk) : o.w, ok, w_policy);
+        const int tile_row = (kSwiglu ? 0 : rt * 16) + 8 * (j % 2);  // the piece's row from n0 + g
+        const bool ok = lr.f + tile_row < N && k < K;  // K % 8 == 0: a piece is all in or all out
+        const int64_t rows_on = kSwiglu && rt == 1 ? N + tile_row : tile_row;
+        const bf16* src = lr.w + rows_on * w_stride + int64_t{i} * (kWarps * kChunk);
+        cp_async16_evict_first(&st.w[rt][r][part], ok ? src : o.w, ok, w_policy);
       } else {
         const int64_t f = o.n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
         const int64_t row = kSwiglu && rt == 1 ? N + f : f;

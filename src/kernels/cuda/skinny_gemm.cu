@@ -127,8 +127,12 @@ __device__ __forceinline__ void normalize_rows(const RowNorm& norm, int M, int K
   }
 }
 
-// ptxas's minimum of blocks an SM: two for the routed 16-pair forms, none (0) elsewhere (see the top).
-constexpr int min_blocks(int mt, bool routed) { return routed && mt == 2 ? 2 : 0; }
+// ptxas's minimum of blocks an SM: two for the routed 16-pair forms, three for the routed 8-pair
+// SwiGLU form (its ring's three blocks: 72 registers, 94 without the bound), none (0) elsewhere
+// (see the top).
+constexpr int min_blocks(int mt, bool routed, bool swiglu) {
+  return routed && mt == 2 ? 2 : routed && swiglu && mt == 1 ? 3 : 0;
+}
 
 // MT: 8-token tiles (M <= 8 * MT); RT: 16-row weight tiles per block.
 // kSwiglu (RT == 2): w = [gate; up] with N rows each; tile 0 takes gate rows, tile 1 the same
@@ -145,7 +149,7 @@ constexpr int min_blocks(int mt, bool routed) { return routed && mt == 2 ? 2 : 0
 // push (plain forms, push.n_ranks > 1): each output word (two features of a token) also goes to
 // the peers' push inboxes, flagged with the pushed exchange's call number (peer_collectives.h).
 template <int MT, int RT, bool kSwiglu, bool kNorm, typename R = bf16, bool kWide = false, bool kRouted = false>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
+__global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t x_stride, int M, const bf16* __restrict__ w,
                        int64_t w_stride, int N, int K, const bf16* __restrict__ bias, bf16* __restrict__ out,
                        int64_t out_stride, RowNorm norm, int64_t w_group_step, int out_group_cols,
@@ -334,6 +338,22 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
       }
     }
 
+    // The outputs: lane l of warp w adds element [w % 4][l] of every warp's partials of output tiles
+    // w / 4, w / 4 + 2, ... (tile t: rt = t / MT, mt = t % MT), i.e. feature l / 4 (+ 8 for w % 4 >= 2)
+    // and token (l % 4) * 2 + (w & 1) of each. The indices are fixed a thread and the tiles unrolled;
+    // the routed form's output rows are read here, before the partial sums' barriers.
+    constexpr int kTiles = (kSwiglu ? 1 : RT) * MT, kMine = (kTiles + 1) / 2;
+    const int i = warp % 4;
+    const int64_t f0 = o.n0 + g + (i >= 2 ? 8 : 0);
+    const int t0 = q * 2 + (i & 1);
+    int32_t out_row[kMine];
+#pragma unroll
+    for (int k = 0; k < kMine; ++k) {
+      const int t = 2 * k + warp / 4, token = t % MT * 8 + t0;
+      out_row[k] = token;
+      if constexpr (kRouted) out_row[k] = t < kTiles && token < M ? o.pairs[token] : 0;
+    }
+
     // Cross-warp reduction in warp order, then bias and the bf16 store (red reuses the ring but
     // in the routed form).
     __syncthreads();
@@ -371,25 +391,23 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted))
         return;
       }
     }
-    constexpr int kElems = (kSwiglu ? 1 : RT) * MT * 4 * 32;
-    for (int e = threadIdx.x; e < kElems; e += kWarps * 32) {
-      const int l = e % 32, i = (e / 32) % 4, mt = (e / 128) % MT, rt = e / (128 * MT);
-      const int64_t feature = o.n0 + rt * 16 + l / 4 + (i >= 2 ? 8 : 0);
-      const int token = mt * 8 + (l % 4) * 2 + (i & 1);
-      if (feature >= N || token >= M) continue;
+#pragma unroll
+    for (int k = 0; k < kMine; ++k) {
+      const int t = 2 * k + warp / 4, rt = t / MT, mt = t % MT;
+      const int64_t feature = f0 + rt * 16;
+      if (t >= kTiles || feature >= N || mt * 8 + t0 >= M) continue;
       float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kWarps; ++j) sum += red[j][rt][mt][i][l];
+      for (int j = 0; j < kWarps; ++j) sum += red[j][rt][mt][i][lane];
       if (bias) sum += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[feature]);
       if constexpr (kSwiglu) {
         float up = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kWarps; ++j) up += red[j][1][mt][i][l];
+        for (int j = 0; j < kWarps; ++j) up += red[j][1][mt][i][lane];
         if (bias) up += __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(bias)[N + feature]);
         sum = sum / (1.0f + expf(-sum)) * up;  // float32 gate and up, rounded once below
       }
-      const int64_t out_row = kRouted ? o.pairs[token] : token;
-      reinterpret_cast<__nv_bfloat16*>(out)[out_row * out_stride + feature] = __float2bfloat16(sum);
+      reinterpret_cast<__nv_bfloat16*>(out)[int64_t{out_row[k]} * out_stride + feature] = __float2bfloat16(sum);
     }
   };
 

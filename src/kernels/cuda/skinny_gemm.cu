@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
   // give every piece of every chunk, instead of a 64-bit product a piece and chunk (the 16-pair
   // items' gate/up ran about 325 instructions a warp a chunk against 180 in the 8-pair form:
   // bench/results/ncu_h200_routed_b8_moe.txt).
-  constexpr bool kLaneRows = kRouted;
+  constexpr bool kLaneRows = true;
   struct LaneRows {
     const bf16* w;  // row n0 + g, k = warp's first chunk + 8 (lane % 4)
     int64_t f;      // feature n0 + g

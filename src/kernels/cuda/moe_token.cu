@@ -109,16 +109,18 @@ __global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNo
   const int64_t n0 = int64_t{blockIdx.x} * 16;
   const uint64_t w_policy = evict_first_policy();
   const int n_mine = chunks_of_warp(K, warp);
+  // Piece p4 of this lane is row n0 + g + 8 (p4 % 2) of tile p4 / 2 (+ N for up): one pointer (the
+  // lane's gate row at the warp's first chunk) and offsets that are the same for every lane.
+  const bf16* lane_w = we + (n0 + g) * w_stride + warp * kChunk + q * 8;
   auto issue = [&](int i) {
     if (i < n_mine) {
-      const int k0 = (warp + i * kWarps) * kChunk;
+      const int k = (warp + i * kWarps) * kChunk + q * 8;
 #pragma unroll
       for (int p4 = 0; p4 < 4; ++p4) {
-        const int p = lane + 32 * p4, rt = p / 64, r = p / 4 % 16, part = p % 4;
-        const int64_t f = n0 + r;
-        const int k = k0 + part * 8;
-        const bool ok = f < N && k < K;
-        cp_async16_evict_first(&ring[i % S][rt][r][part], ok ? we + (rt ? N + f : f) * w_stride + k : we, ok, w_policy);
+        const int rt = p4 / 2, r = g + 8 * (p4 % 2);
+        const bool ok = n0 + r < N && k < K;
+        const bf16* src = lane_w + (8 * (p4 % 2) + (rt ? int64_t{N} : 0)) * w_stride + int64_t{i} * (kWarps * kChunk);
+        cp_async16_evict_first(&ring[i % S][rt][r][q], ok ? src : we, ok, w_policy);
       }
     }
     cp_async_commit();

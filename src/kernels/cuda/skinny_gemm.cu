@@ -186,13 +186,12 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
   };
   // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
   // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
-  // The routed forms look their pieces' rows up once a unit: piece j of this lane is row
-  // n0 + g + 8 (j % 2) of tile j / 2 (+ N for the SwiGLU form's up tile), so one pointer (lane_rows:
-  // the lane's first row at the warp's first chunk) and offsets that are the same for every lane
-  // give every piece of every chunk, instead of a 64-bit product a piece and chunk (the 16-pair
-  // items' gate/up ran about 325 instructions a warp a chunk against 180 in the 8-pair form:
-  // bench/results/ncu_h200_routed_b8_moe.txt).
-  constexpr bool kLaneRows = kRouted;
+  // A unit's pieces' rows are looked up once: piece j of this lane is row n0 + g + 8 (j % 2) of
+  // tile j / 2 (+ N for the SwiGLU form's up tile), so one pointer (lane_rows: the lane's first row
+  // at the warp's first chunk) and offsets that are the same for every lane give every piece of
+  // every chunk, instead of a 64-bit product a piece and chunk (the 16-pair routed gate/up ran
+  // about 325 instructions a warp a chunk against 180 in the 8-pair form:
+  // bench/results/ncu_h200_routed_b8_moe.txt; the dense forms: bench_step_h200_lane_pointers_ab.txt).
   struct LaneRows {
     const bf16* w;  // row n0 + g, k = warp's first chunk + 8 (lane % 4)
     int64_t f;      // feature n0 + g
@@ -208,19 +207,11 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
     for (int j = 0; j < 2 * RT; ++j) {
       const int p = lane + 32 * j, rt = p / 64, r = p / 4 % 16, part = p % 4;
       const int k = k0 + part * 8;
-      if constexpr (kLaneRows) {
-        const int tile_row = (kSwiglu ? 0 : rt * 16) + 8 * (j % 2);  // the piece's row from n0 + g
-        const bool ok = lr.f + tile_row < N && k < K;  // K % 8 == 0: a piece is all in or all out
-        const int64_t rows_on = kSwiglu && rt == 1 ? N + tile_row : tile_row;
-        const bf16* src = lr.w + rows_on * w_stride + int64_t{i} * (kWarps * kChunk);
-        cp_async16_evict_first(&st.w[rt][r][part], ok ? src : o.w, ok, w_policy);
-      } else {
-        const int64_t f = o.n0 + (kSwiglu ? 0 : rt * 16) + r;  // output feature
-        const int64_t row = kSwiglu && rt == 1 ? N + f : f;
-        const bool ok = f < N && k < K;
-        const bf16* src = ok ? o.w + row * w_stride + k : o.w;
-        cp_async16_evict_first(&st.w[rt][r][part], src, ok, w_policy);
-      }
+      const int tile_row = (kSwiglu ? 0 : rt * 16) + 8 * (j % 2);  // the piece's row from n0 + g
+      const bool ok = lr.f + tile_row < N && k < K;  // K % 8 == 0: a piece is all in or all out
+      const int64_t rows_on = kSwiglu && rt == 1 ? N + tile_row : tile_row;
+      const bf16* src = lr.w + rows_on * w_stride + int64_t{i} * (kWarps * kChunk);
+      cp_async16_evict_first(&st.w[rt][r][part], ok ? src : o.w, ok, w_policy);
     }
   };
   auto issue_x = [&](int i, const Operands& o) {

@@ -18,9 +18,10 @@
 // 5.83 ms, the DFlash step 8.43 -> 8.11 ms; a 256-byte hint was no better).
 // The weights are also marked evict-first in L2 (cp_async16_evict_first, device_math.cuh). The
 // routed forms of 16-pair items are compiled for two blocks an SM: with evict-first copies and no
-// bound their down form took 162 registers, one block an SM (steps of 9-16 rows 4-8% slower).
-// Every other form has no minimum: a minimum of one block raises ptxas's register counts in
-// nearly every instantiation (bench/results/README.md).
+// bound their down form took 162 registers, one block an SM (steps of 9-16 rows 4-8% slower),
+// and the routed 8-pair SwiGLU form for three (min_blocks). Every other form has no minimum: a
+// minimum of one block raises ptxas's register counts in nearly every instantiation
+// (bench/results/README.md).
 //
 // The normalizing form (kNorm, up to a few rows) takes its input from the
 // residual stream instead: each block computes rmsnorm(residual + delta) of

@@ -205,21 +205,26 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
   const int n_experts = (top_k - group + kDownGroups - 1) / kDownGroups;  // the group's: j = group + kDownGroups * e
   const int n_seq = n_mine * n_experts;
   // The next chunk to request: the group's expert `ie`, the warp's chunk `ic` of it, into ring slot `issued` % S.
+  // Piece p2 of this lane is row n0 + g + 8 p2: one pointer an expert (the lane's first row at the warp's first
+  // chunk, looked up when the expert changes) and offsets that are the same for every lane.
   int issued = 0, ie = 0, ic = 0;
   const uint64_t w_policy = evict_first_policy();
+  const bool row_ok[2] = {n0 + g < N, n0 + g + 8 < N};
+  const int64_t lane_offset = (n0 + g) * w_stride + kw * kChunk + q * 8;
+  const bf16* lane_w = n_seq > 0 ? w + route.expert[group] * w_step + lane_offset : w;
   auto issue = [&] {
     if (issued < n_seq) {
-      const int k0 = (kw + ic * kWarps) * kChunk;
-      const bf16* we = w + route.expert[group + kDownGroups * ie] * w_step;
+      const int k = (kw + ic * kWarps) * kChunk + q * 8;
 #pragma unroll
       for (int p2 = 0; p2 < 2; ++p2) {
-        const int p = lane + 32 * p2, r = p / 4, part = p % 4;
-        const int64_t f = n0 + r;
-        const int k = k0 + part * 8;
-        const bool ok = f < N && k < K;
-        cp_async16_evict_first(&ring[issued % S][r][part], ok ? we + f * w_stride + k : we, ok, w_policy);
+        const bool ok = row_ok[p2] && k < K;
+        const bf16* src = lane_w + 8 * p2 * w_stride + int64_t{ic} * (kWarps * kChunk);
+        cp_async16_evict_first(&ring[issued % S][g + 8 * p2][q], ok ? src : w, ok, w_policy);
       }
-      if (++ic == n_mine) ic = 0, ++ie;
+      if (++ic == n_mine) {
+        ic = 0, ++ie;
+        if (ie < n_experts) lane_w = w + route.expert[group + kDownGroups * ie] * w_step + lane_offset;
+      }
     }
     ++issued;
     cp_async_commit();

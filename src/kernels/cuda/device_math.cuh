@@ -40,6 +40,20 @@ __device__ __forceinline__ float ldcg_if(const float* p, bool on, float otherwis
   return x;
 }
 
+// n / d and n % d for 0 <= n < 2^24 and 0 < d < 2^24, given inv = 1.0f / d taken once: the float
+// quotient is within one of the true one and a correction step makes it exact. A few instructions
+// where the compiler's division by a runtime value takes about twenty.
+struct DivMod {
+  int q, r;
+};
+__device__ __forceinline__ DivMod div_mod(int n, int d, float inv) {
+  int q = __float2int_rz(__int2float_rn(n) * inv);
+  int r = n - q * d;
+  if (r < 0) --q, r += d;
+  else if (r >= d) ++q, r -= d;
+  return {q, r};
+}
+
 // Eight bf16 values (16 bytes) as floats, and back (rounded to nearest).
 __device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
   const auto* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);

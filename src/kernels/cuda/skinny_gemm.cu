@@ -411,8 +411,10 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
     // many blocks the GPU holds beside the kernels around it, none waits for another's units.
     bool wait = routed.items_ready;  // whether the wait is still to come (in the first unit)
     if (!wait) pdl_begin();
-    const int n_units = *routed.n_items * static_cast<int>(gridDim.x);
-    const int n_blocks = static_cast<int>(gridDim.x * gridDim.y);
+    const int cols = static_cast<int>(gridDim.x);  // a unit is item unit / cols, columns block unit % cols
+    const int n_units = *routed.n_items * cols;
+    const int n_blocks = cols * static_cast<int>(gridDim.y);
+    const float inv_cols = 1.0f / static_cast<float>(cols), inv_x_div = 1.0f / static_cast<float>(routed.x_div);
     // A unit's operands from its item's fields (expert, first pair, pair count) and this lane's
     // pairs (tokens mt * 8 + g; -1 past the count).
     auto operands_of = [&](int unit, const int (&item)[3], const int (&pair)[MT]) {
@@ -420,14 +422,15 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
       o.w = w + item[0] * routed.w_step;
       o.M = item[2];
       o.pairs = routed.pairs + item[1];
-      o.n0 = static_cast<int64_t>(unit % gridDim.x) * kPerBlock;
+      o.n0 = static_cast<int64_t>(div_mod(unit, cols, inv_cols).r) * kPerBlock;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        o.x_of[mt] = pair[mt] >= 0 ? x + static_cast<int64_t>(pair[mt] / routed.x_div) * x_stride : nullptr;
+        o.x_of[mt] =
+            pair[mt] >= 0 ? x + static_cast<int64_t>(div_mod(pair[mt], routed.x_div, inv_x_div).q) * x_stride : nullptr;
       return o;
     };
     auto read_item = [&](int unit, int (&item)[3]) {
-      const int32_t* it = routed.items + 3 * (unit / gridDim.x);
+      const int32_t* it = routed.items + 3 * div_mod(unit, cols, inv_cols).q;
       item[0] = it[0], item[1] = it[1], item[2] = it[2];
     };
     auto read_pairs = [&](const int (&item)[3], int (&pair)[MT]) {

@@ -338,12 +338,13 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
     const int i = warp % 4;
     const int64_t f0 = o.n0 + g + (i >= 2 ? 8 : 0);
     const int t0 = q * 2 + (i & 1);
+    auto tile = [&](int k) { return 2 * k + warp / 4; };         // this thread's k-th output tile
+    auto token = [&](int k) { return tile(k) % MT * 8 + t0; };  // and its token
     int32_t out_row[kMine];
 #pragma unroll
     for (int k = 0; k < kMine; ++k) {
-      const int t = 2 * k + warp / 4, token = t % MT * 8 + t0;
-      out_row[k] = token;
-      if constexpr (kRouted) out_row[k] = t < kTiles && token < M ? o.pairs[token] : 0;
+      out_row[k] = token(k);
+      if constexpr (kRouted) out_row[k] = tile(k) < kTiles && token(k) < M ? o.pairs[token(k)] : 0;
     }
 
     // Cross-warp reduction in warp order, then bias and the bf16 store (red reuses the ring but
@@ -385,9 +386,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
     }
 #pragma unroll
     for (int k = 0; k < kMine; ++k) {
-      const int t = 2 * k + warp / 4, rt = t / MT, mt = t % MT;
+      const int t = tile(k), rt = t / MT, mt = t % MT;
       const int64_t feature = f0 + rt * 16;
-      if (t >= kTiles || feature >= N || mt * 8 + t0 >= M) continue;
+      if (t >= kTiles || feature >= N || token(k) >= M) continue;
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < kWarps; ++j) sum += red[j][rt][mt][i][lane];

@@ -78,8 +78,9 @@ void CudaBackend::moe_to(const Tensor& x, const MoeWeights& w, Tensor& out, Tens
   Tensor y = scratch ? scratch->y.slice_rows(0, pairs) : alloc(pairs, h);
   RoutedRows rows{i32(items), i32(n_items), i32(pair_list), i32(next_units), w.top_k, 2 * ff * w.gate_up.stride};
   // The skinny routed form divides work units and pairs by a reciprocal, exact below 2^24 (div_mod).
-  check(wide || (int64_t{max_items} * (std::max(2 * ff, h) / 16 + 1) < (int64_t{1} << 24) && pairs < (int64_t{1} << 24)),
-        "cuda backend: ", pairs, " routed pairs in ", max_items, " items are too many for the skinny routed products");
+  constexpr int64_t kExact = int64_t{1} << 24;
+  check(wide || (int64_t{max_items} * (std::max(2 * ff, h) / 16 + 1) < kExact && pairs < kExact), "cuda backend: ",
+        pairs, " routed pairs in ", max_items, " items are too many for the skinny routed products");
   const ExpertViews e = expert_views(w, h);
   const bool wgmma = forms_.tile_mma == KernelForms::TileMma::by_rule && moe_gemm_wgmma_built();
   auto tiles = wgmma ? launch_moe_gemm_wgmma : launch_moe_gemm;

@@ -187,7 +187,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
     const bf16* x_of[kNorm ? 1 : MT] = {};
   };
   // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
-  // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
+  // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4), each stored
+  // where chunk_piece puts it (chunk_operands.cuh).
   // A unit's pieces' rows are looked up once: piece j of this lane is row n0 + g + 8 (j % 2) of
   // tile j / 2 (+ N for the SwiGLU form's up tile), so one pointer (lane_rows: the lane's first row
   // at the warp's first chunk) and offsets that are the same for every lane give every piece of

@@ -3,7 +3,7 @@
 // weights once per 8-32 pairs and splits K over its warps. A block computes 128 weight rows
 // (with SwiGLU: 64 gate rows and the same 64 up rows) for the item's pairs; its 8 warps split the
 // rows and the pairs (2 x 4), the K loop runs through a 4-stage cp.async ring of 32-k chunks, and
-// the mma.sync operands use the skinny kernel's k-permuted 16-byte layout (no ldmatrix, no bank
+// the mma.sync operands use a k-permuted 16-byte layout (no ldmatrix, no bank
 // conflicts: a warp reads 8 consecutive 64-byte rows).
 //
 // A pair's result depends only on its own row and its expert (the k order is fixed), so rows are

@@ -6,12 +6,13 @@
 //  - down: each block routes the token again, before its wait (the logits are complete once the
 //    gate/up kernel has released it), requests its first weights, then streams the rows of its 16
 //    output features of every chosen expert and adds the experts' outputs in increasing index.
-// The products use skinny_gemm.cu's operand layout and reduction order (warp j sums chunks j,
+// The products use skinny_gemm.cu's operands (chunk_operands.cuh) and reduction order (warp j sums chunks j,
 // j + 8, ...; the warps' partial sums added in warp order), the routing moe_math.cuh's and the
 // weighted sum moe.cu's combine order, so the result is bit-identical to launch_moe_route +
 // launch_skinny_gemm_routed + launch_moe_combine (H100 numbers in bench/results/README.md).
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/chunk_operands.cuh"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/moe_math.cuh"
@@ -58,14 +59,6 @@ __device__ __forceinline__ int chunks_of_warp(int K, int w) {
 
 // Normalized rows in shared memory are padded by 16 bytes (fewer bank conflicts).
 __host__ __device__ constexpr int64_t padded(int64_t k) { return k + 8; }
-
-// The 16-byte operand pieces of one k chunk for the mma (skinny_gemm.cu's layout): lane (g, q)
-// holds k q*8 .. q*8+7 of weight rows g and g + 8, and of token g (only token 0 exists here).
-__device__ __forceinline__ void mma_chunk(float (&acc)[4], const uint4& lo, const uint4& hi, const uint4& b) {
-#pragma unroll
-  for (int s = 0; s < 2; ++s)
-    mma_bf16(acc, s ? lo.z : lo.x, s ? hi.z : hi.x, s ? lo.w : lo.y, s ? hi.w : hi.y, s ? b.z : b.x, s ? b.w : b.y);
-}
 
 // Gate/up: block (x, j) computes features [16 x, 16 x + 16) of silu(gate) * up for the token's
 // j-th chosen expert into act row j. Weights [gate; up] of N rows each per expert, w_step apart.
@@ -120,7 +113,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNo
         const int rt = p4 / 2, r = g + 8 * (p4 % 2);
         const bool ok = n0 + r < N && k < K;
         const bf16* src = lane_w + (8 * (p4 % 2) + (rt ? int64_t{N} : 0)) * w_stride + int64_t{i} * (kWarps * kChunk);
-        cp_async16_evict_first(&ring[i % S][rt][r][q], ok ? src : we, ok, w_policy);
+        cp_async16_evict_first(&ring[i % S][rt][r][chunk_piece(r, q)], ok ? src : we, ok, w_policy);
       }
     }
     cp_async_commit();
@@ -133,13 +126,16 @@ __global__ void __launch_bounds__(kWarps * 32, 3) moe_token_gate_up_kernel(RowNo
     cp_async_wait<S - 1>();
     __syncwarp();
     const GateUpStage& st = ring[i % S];
-    const uint4 g_lo = st[0][g][q], g_hi = st[0][g + 8][q], u_lo = st[1][g][q], u_hi = st[1][g + 8][q];
-    const int k = (warp + i * kWarps) * kChunk + q * 8;
-    const uint4 xv = g == 0 && k < K ? *reinterpret_cast<const uint4*>(row + k) : uint4{};
+    uint32_t wa[2][2][4], xb[4];  // [gate, up][mma]
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+      for (int s = 0; s < 2; ++s) chunk_weights(wa[rt][s], st[rt], s, lane);
+    chunk_tokens_of_row(xb, row, (warp + i * kWarps) * kChunk, K, g == 0, lane);
     __syncwarp();  // every lane has read the stage before it is refilled
     issue(i + S);
-    mma_chunk(acc[0], g_lo, g_hi, xv);
-    mma_chunk(acc[1], u_lo, u_hi, xv);
+    chunk_mma(acc[0], wa[0], xb);
+    chunk_mma(acc[1], wa[1], xb);
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring becomes the reduction
@@ -220,7 +216,7 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
       for (int p2 = 0; p2 < 2; ++p2) {
         const bool ok = row_ok[p2] && k < K;
         const bf16* src = lane_w + 8 * p2 * w_stride + int64_t{ic} * (kWarps * kChunk);
-        cp_async16_evict_first(&ring[issued % S][g + 8 * p2][q], ok ? src : w, ok, w_policy);
+        cp_async16_evict_first(&ring[issued % S][g + 8 * p2][chunk_piece(g + 8 * p2, q)], ok ? src : w, ok, w_policy);
       }
       if (++ic == n_mine) {
         ic = 0, ++ie;
@@ -258,13 +254,14 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
     cp_async_wait<S - 1>();
     __syncwarp();
     const DownStage& st = ring[c % S];
-    const uint4 lo = st[g][q], hi = st[g + 8][q];
+    uint32_t wa[2][4], xb[4];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) chunk_weights(wa[s], st, s, lane);
     const int j = group + kDownGroups * e;
-    const int k = (kw + i * kWarps) * kChunk + q * 8;
-    const uint4 xv = g == 0 && k < K ? *reinterpret_cast<const uint4*>(rows + j * padded(K) + k) : uint4{};
+    chunk_tokens_of_row(xb, rows + j * padded(K), (kw + i * kWarps) * kChunk, K, g == 0, lane);
     __syncwarp();
     issue();
-    mma_chunk(acc, lo, hi, xv);
+    chunk_mma(acc, wa, xb);
     if (++i == n_mine) {  // expert j done: token 0's sums (lanes with q == 0) to the reduction
       if (q == 0) red[kw][j][g] = acc[0], red[kw][j][g + 8] = acc[2];
 #pragma unroll

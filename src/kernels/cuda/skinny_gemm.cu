@@ -4,9 +4,9 @@
 // fp32 accumulation).
 //
 // The product is computed transposed, out^T = w * x^T: A = 16 weight rows,
-// B = 8 tokens. Each thread loads 8 consecutive k of a weight row and of a
-// token row; both operands use the same permutation of k inside a 32-wide
-// chunk, which leaves the dot products unchanged.
+// B = 8 tokens. Each thread copies 16 bytes (8 consecutive k) of a weight row
+// or a token row into the ring; ldmatrix gives the mma its operands
+// (chunk_operands.cuh).
 //
 // Reduction order: warp j of the block sums chunks j, j+8, j+16, ... in
 // increasing order; the 8 warp partials are then added in warp order. This
@@ -32,6 +32,7 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/chunk_operands.cuh"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -186,7 +187,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
     const bf16* x_of[kNorm ? 1 : MT] = {};
   };
   // This lane's pieces of a stage: weight piece p = lane + 32j (tile p / 64, row p / 4 % 16,
-  // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4).
+  // 16 bytes p % 4), token piece lane + 32j (tile j, row lane / 4, 16 bytes lane % 4), each stored
+  // where chunk_piece puts it (chunk_operands.cuh).
   // A unit's pieces' rows are looked up once: piece j of this lane is row n0 + g + 8 (j % 2) of
   // tile j / 2 (+ N for the SwiGLU form's up tile), so one pointer (lane_rows: the lane's first row
   // at the warp's first chunk) and offsets that are the same for every lane give every piece of
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
       const bool ok = lr.f + tile_row < N && k < K;  // K % 8 == 0: a piece is all in or all out
       const int64_t rows_on = kSwiglu && rt == 1 ? N + tile_row : tile_row;
       const bf16* src = lr.w + rows_on * w_stride + int64_t{i} * (kWarps * kChunk);
-      cp_async16_evict_first(&st.w[rt][r][part], ok ? src : o.w, ok, w_policy);
+      cp_async16_evict_first(&st.w[rt][r][chunk_piece(r, part)], ok ? src : o.w, ok, w_policy);
     }
   };
   auto issue_x = [&](int i, const Operands& o) {
@@ -223,7 +225,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const bool ok = o.x_of[mt] && k < K;
-        cp_async16(&st.x[mt][g][q], ok ? o.x_of[mt] + k : x, ok);
+        cp_async16(&st.x[mt][g][chunk_piece(g, q)], ok ? o.x_of[mt] + k : x, ok);
       }
     }
   };
@@ -289,19 +291,21 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
       cp_async_wait<S - 1>();  // chunk i has landed (later groups may still be in flight)
       __syncwarp();
       const St& st = ring[i % S];
-      uint4 wv[RT][2], xv[MT];
+      uint32_t wa[RT][2][4], xb[MT][4];
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt) wv[rt][0] = st.w[rt][g][q], wv[rt][1] = st.w[rt][g + 8][q];
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int s = 0; s < 2; ++s) chunk_weights(wa[rt][s], st.w[rt], s, lane);
       if constexpr (kNorm) {
-        const int k = (warp + i * kWarps) * kChunk + q * 8;
+        const int k0 = (warp + i * kWarps) * kChunk;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const int t = mt * 8 + g;
-          xv[mt] = t < M && k < K ? *reinterpret_cast<const uint4*>(rows + t * norm_row_elems(K) + k) : uint4{};
+          chunk_tokens_of_row(xb[mt], rows + t * norm_row_elems(K), k0, K, t < M, lane);
         }
       } else {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) xv[mt] = st.x[mt][g][q];
+        for (int mt = 0; mt < MT; ++mt) chunk_tokens(xb[mt], st.x[mt], lane);
       }
       __syncwarp();  // every lane has read the stage before it is refilled
       issue_w(i + S, o, lr);
@@ -310,16 +314,12 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
 #pragma unroll
       for (int s = 0; s < 2; ++s)
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          const uint4& lo = wv[rt][0];
-          const uint4& hi = wv[rt][1];
-          const uint32_t a0 = s ? lo.z : lo.x, a1 = s ? hi.z : hi.x, a2 = s ? lo.w : lo.y, a3 = s ? hi.w : hi.y;
+        for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            const uint4& b = xv[mt];
-            mma_bf16(acc[rt][mt], a0, a1, a2, a3, s ? b.z : b.x, s ? b.w : b.y);
+            const uint32_t(&a)[4] = wa[rt][s];
+            mma_bf16(acc[rt][mt], a[0], a[1], a[2], a[3], xb[mt][2 * s], xb[mt][2 * s + 1]);
           }
-        }
     }
     if (n_mine == 0) mid();
     cp_async_wait<0>();

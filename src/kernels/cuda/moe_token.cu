@@ -233,17 +233,19 @@ __global__ void __launch_bounds__(kDownWarps * 32) moe_token_down_kernel(const b
   // thread before its stores: one round trip to L2, not one a piece (Nsight Compute: a fifth of
   // the kernel's stall samples waited on the second).
   const int pieces = K / 8, n_pieces = top_k * pieces;
+  auto expert_of = [&](int i) { return i / pieces; };    // piece i: expert i / pieces,
+  auto first_k = [&](int i) { return 8 * (i % pieces); };  // its k from 8 (i % pieces)
   for (int i0 = threadIdx.x; i0 < n_pieces; i0 += kActLoads * blockDim.x) {
     uint4 v[kActLoads];
 #pragma unroll
     for (int u = 0; u < kActLoads; ++u) {
-      const int i = i0 + u * blockDim.x, j = i / pieces, p = i % pieces;
-      if (i < n_pieces) v[u] = *reinterpret_cast<const uint4*>(act + j * act_stride + 8 * p);
+      const int i = i0 + u * blockDim.x;
+      if (i < n_pieces) v[u] = *reinterpret_cast<const uint4*>(act + expert_of(i) * act_stride + first_k(i));
     }
 #pragma unroll
     for (int u = 0; u < kActLoads; ++u) {
-      const int i = i0 + u * blockDim.x, j = i / pieces, p = i % pieces;
-      if (i < n_pieces) *reinterpret_cast<uint4*>(rows + j * padded(K) + 8 * p) = v[u];
+      const int i = i0 + u * blockDim.x;
+      if (i < n_pieces) *reinterpret_cast<uint4*>(rows + expert_of(i) * padded(K) + first_k(i)) = v[u];
     }
   }
   __syncthreads();

@@ -114,9 +114,13 @@ printf '#!/bin/sh\nLD_LIBRARY_PATH="%s:$LD_LIBRARY_PATH" exec "%s" "$@"\n' "$PWD
 chmod +x build-dev/dflash-run
 dflash=build-dev/dflash-run
 ckpt=${CKPT_DIR:-/tmp/dflash-ckpt}
-# The random 8B-shaped target and draft that bench-step and the profiling steps time, written once.
+# The random 8B-shaped target and draft that bench-step and the profiling steps time, written once
+# (the disk does not hold them beside a full-size MoE or Qwen3.5 target: a step before may have left one).
 random_8b_pair() {
-  [ -f "$ckpt/qwen3-8b/config.json" ] || python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  if [ ! -f "$ckpt/qwen3-8b/config.json" ]; then
+    rm -rf "$ckpt/qwen3-8b" "$ckpt/qwen3-30b-a3b" "$ckpt/qwen3_5-27b"
+    python3 tools/make_random_checkpoint.py qwen3-8b "$ckpt/qwen3-8b" --seed 2
+  fi
   [ -f "$ckpt/dflash-8b/config.json" ] || python3 tools/make_random_checkpoint.py dflash-8b "$ckpt/dflash-8b" --seed 3
 }
 # The random 30B-A3B-shaped MoE target (about 61 GB) and a dense draft for it. The disk holds it

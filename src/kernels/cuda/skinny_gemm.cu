@@ -312,14 +312,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks(MT, kRouted, kSwiglu))
       issue_x(i + S, o);
       cp_async_commit();
 #pragma unroll
-      for (int s = 0; s < 2; ++s)
+      for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const uint32_t(&a)[4] = wa[rt][s];
-            mma_bf16(acc[rt][mt], a[0], a[1], a[2], a[3], xb[mt][2 * s], xb[mt][2 * s + 1]);
-          }
+        for (int mt = 0; mt < MT; ++mt) chunk_mma(acc[rt][mt], wa[rt], xb[mt]);
     }
     if (n_mine == 0) mid();
     cp_async_wait<0>();

@@ -11,7 +11,9 @@
 // in the block and write one word. "early": the first 8 loads a thread are issued before the wait
 // (dense products prefetch their weights before waiting); "late": the loaded address depends on the
 // word read after the wait (the routed gate/up products: which experts comes from the routing).
-// Every phase reads its own buffer (no L2 reuse across phases or layers).
+// Every phase reads its own buffer (no L2 reuse across phases or layers). The same chains also run
+// as one persistent kernel with a grid barrier between phases (would a persistent layer kernel beat
+// the chain of launches?).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,32 +43,24 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
-// in: the previous phase's words (in_blocks of them); out: this phase's (one a block).
-template <bool kEarly>
-__global__ void __launch_bounds__(kThreads, 4) phase_kernel(const uint4* w, int64_t n_vec, const unsigned* in,
-                                                         int in_blocks, unsigned* out) {
-  __shared__ unsigned dep;
-  __shared__ unsigned red[kThreads / 32];
-  const int64_t stride = int64_t{gridDim.x} * kThreads;
-  const int64_t first = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  unsigned acc = 0;
-  uint4 v[kInFlight];
-  if constexpr (kEarly) {
+// A thread's first kInFlight loads of a phase (early phases issue them before their wait).
+__device__ __forceinline__ void first_loads(const uint4* w, int64_t n_vec, int64_t first, int64_t stride,
+                                            uint4 (&v)[kInFlight]) {
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int64_t i = first + u * stride;
-      v[u] = i < n_vec ? load_stream(w + i) : make_uint4(0, 0, 0, 0);
-    }
+  for (int u = 0; u < kInFlight; ++u) {
+    const int64_t i = first + u * stride;
+    v[u] = i < n_vec ? load_stream(w + i) : make_uint4(0, 0, 0, 0);
   }
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (threadIdx.x == 0) dep = __ldcg(in + (blockIdx.x + 1) % in_blocks);
-  __syncthreads();
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const unsigned d = dep;
-  // The word is 0 at run time; the compiler cannot know, so the late form's addresses wait for it.
-  const uint4* base = kEarly ? w : w + (d & 1u);
+}
+
+// The rest of a phase once the word d of the previous phase is read: the thread's xor of its bytes.
+// The word is 0 at run time; the compiler cannot know, so a late phase's addresses wait for it.
+__device__ __forceinline__ unsigned stream_rest(const uint4* w, int64_t n_vec, bool early, int64_t first,
+                                                int64_t stride, uint4 (&v)[kInFlight], unsigned d) {
+  unsigned acc = 0;
+  const uint4* base = early ? w : w + (d & 1u);
   int64_t i0 = first;
-  if constexpr (kEarly) {
+  if (early) {
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     i0 += kInFlight * stride;
@@ -80,6 +74,11 @@ __global__ void __launch_bounds__(kThreads, 4) phase_kernel(const uint4* w, int6
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
+  return acc;
+}
+
+// The block's word: the threads' xors and d, written by thread 0.
+__device__ __forceinline__ void write_word(unsigned acc, unsigned d, unsigned* out, unsigned* red) {
   for (int o = 16; o > 0; o /= 2) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = acc;
   __syncthreads();
@@ -87,6 +86,58 @@ __global__ void __launch_bounds__(kThreads, 4) phase_kernel(const uint4* w, int6
     unsigned r = d;
     for (int j = 0; j < kThreads / 32; ++j) r ^= red[j];
     __stcg(out + blockIdx.x, r);
+  }
+}
+
+// One phase a kernel. in: the previous phase's words (in_blocks of them); out: this phase's.
+template <bool kEarly>
+__global__ void __launch_bounds__(kThreads, 4) phase_kernel(const uint4* w, int64_t n_vec, const unsigned* in,
+                                                         int in_blocks, unsigned* out) {
+  __shared__ unsigned dep;
+  __shared__ unsigned red[kThreads / 32];
+  const int64_t stride = int64_t{gridDim.x} * kThreads;
+  const int64_t first = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  uint4 v[kInFlight];
+  if constexpr (kEarly) first_loads(w, n_vec, first, stride, v);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (threadIdx.x == 0) dep = __ldcg(in + (blockIdx.x + 1) % in_blocks);
+  __syncthreads();
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const unsigned d = dep;
+  write_word(stream_rest(w, n_vec, kEarly, first, stride, v, d), d, out, red);
+}
+
+// Every phase in one kernel whose blocks are all resident: between phases a grid barrier (a
+// counter: each block adds 1 with release once its word is written, then waits with acquire loads
+// for the grid's count). An early phase's first loads go out before the barrier that starts it.
+struct PhaseDesc {
+  int64_t at, n_vec;
+  int early;
+};
+__global__ void __launch_bounds__(kThreads, 4) persistent_kernel(const uint4* pool, const PhaseDesc* phases, int n,
+                                                              unsigned* words, unsigned* counter) {
+  __shared__ unsigned dep;
+  __shared__ unsigned red[kThreads / 32];
+  const int blocks = static_cast<int>(gridDim.x);
+  const int64_t stride = int64_t{gridDim.x} * kThreads;
+  const int64_t first = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  uint4 v[kInFlight];
+  if (phases[0].early) first_loads(pool + phases[0].at, phases[0].n_vec, first, stride, v);
+  for (int p = 0; p < n; ++p) {
+    const PhaseDesc ph = phases[p];
+    if (p > 0 && threadIdx.x == 0) {
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+      const unsigned target = static_cast<unsigned>(blocks) * static_cast<unsigned>(p);
+      unsigned c;
+      do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(counter) : "memory");
+      while (c < target);
+    }
+    if (threadIdx.x == 0) dep = __ldcg(words + (p % 2) * blocks + (blockIdx.x + 1) % blocks);
+    __syncthreads();
+    const unsigned d = dep;
+    const unsigned acc = stream_rest(pool + ph.at, ph.n_vec, ph.early != 0, first, stride, v, d);
+    if (p + 1 < n && phases[p + 1].early) first_loads(pool + phases[p + 1].at, phases[p + 1].n_vec, first, stride, v);
+    write_word(acc, d, words + ((p + 1) % 2) * blocks, red);
   }
 }
 
@@ -156,6 +207,35 @@ float time_chain(const Chain& c, const uint4* pool, int64_t pool_vec, unsigned* 
   const float ms = time_graph(ge, s);
   CK(cudaGraphExecDestroy(ge));
   CK(cudaGraphDestroy(g));
+  return ms;
+}
+
+// The chain as one persistent_kernel launch (after zeroing the counter), timed like a graph.
+float time_persistent(const Chain& c, const uint4* pool, unsigned* words, int blocks, cudaStream_t s) {
+  std::vector<PhaseDesc> desc;
+  int64_t at = 0;
+  for (const Phase& p : c.phases) {
+    desc.push_back({at, p.bytes / 16, p.early ? 1 : 0});
+    at += p.bytes / 16;
+  }
+  PhaseDesc* d;
+  unsigned* counter;
+  CK(cudaMalloc(&d, desc.size() * sizeof(PhaseDesc)));
+  CK(cudaMalloc(&counter, sizeof(unsigned)));
+  CK(cudaMemcpy(d, desc.data(), desc.size() * sizeof(PhaseDesc), cudaMemcpyHostToDevice));
+  cudaGraph_t g;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  CK(cudaMemsetAsync(counter, 0, sizeof(unsigned), s));
+  persistent_kernel<<<blocks, kThreads, 0, s>>>(pool, d, static_cast<int>(desc.size()), words, counter);
+  CK(cudaGetLastError());
+  CK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t ge;
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  const float ms = time_graph(ge, s);
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaFree(d));
+  CK(cudaFree(counter));
   return ms;
 }
 
@@ -257,14 +337,17 @@ int main() {
         gib / (time_chain({"read", {{gib, true}}}, pool, pool_vec, words, blocks, s) * 1e-3) / 1e9;
     printf("## %d blocks of %d threads a phase; one phase reading 1 GiB: %.0f GB/s\n", blocks, kThreads, read_gbps);
     printf("%-56s %7s %9s %9s %9s %9s %10s\n", "chain", "phases", "GB", "ms", "floor_ms", "fraction", "us/phase+");
-    for (const Chain& c : chains) {
-      const double ms = time_chain(c, pool, pool_vec, words, blocks, s);
+    auto row = [&](const std::string& name, const Chain& c, double ms) {
       const double floor_ms = c.bytes() / (copy_gbps * 1e9) * 1e3;
       // Time beyond the bytes at the read rate, per phase.
       const double extra = (ms - c.bytes() / (read_gbps * 1e9) * 1e3) * 1e3 / c.phases.size();
-      printf("%-56s %7zu %9.3f %9.3f %9.3f %9.3f %10.2f\n", c.name.c_str(), c.phases.size(), c.bytes() / 1e9, ms,
+      printf("%-56s %7zu %9.3f %9.3f %9.3f %9.3f %10.2f\n", name.c_str(), c.phases.size(), c.bytes() / 1e9, ms,
              floor_ms, floor_ms / ms, extra);
-    }
+    };
+    for (const Chain& c : chains) row(c.name, c, time_chain(c, pool, pool_vec, words, blocks, s));
+    // The same phases in one persistent kernel (its blocks must all be resident: 4 an SM fit).
+    for (const Chain& c : chains)
+      if (c.phases.size() > 1) row("persistent: " + c.name, c, time_persistent(c, pool, words, blocks, s));
   }
   return 0;
 }

@@ -178,29 +178,12 @@ float time_graph(cudaGraphExec_t ge, cudaStream_t s) {
   return ms[ms.size() / 2];
 }
 
-// The chain as one graph of PDL launches, each phase on its own part of `pool`.
-float time_chain(const Chain& c, const uint4* pool, int64_t pool_vec, unsigned* words, int blocks, cudaStream_t s) {
+// What record() puts on s, captured as a graph and timed by time_graph.
+template <typename Record>
+float time_captured(cudaStream_t s, Record&& record) {
   cudaGraph_t g;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  int64_t at = 0;
-  for (size_t p = 0; p < c.phases.size(); ++p) {
-    const int64_t n_vec = c.phases[p].bytes / 16;
-    if (at + n_vec > pool_vec) at = 0;  // never for the chains below (checked in main)
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = blocks;
-    cfg.blockDim = kThreads;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const unsigned* in = words + (p % 2) * blocks;
-    unsigned* out = words + ((p + 1) % 2) * blocks;
-    if (c.phases[p].early) CK(cudaLaunchKernelEx(&cfg, phase_kernel<true>, pool + at, n_vec, in, blocks, out));
-    else CK(cudaLaunchKernelEx(&cfg, phase_kernel<false>, pool + at, n_vec, in, blocks, out));
-    at += n_vec;
-  }
+  record();
   CK(cudaStreamEndCapture(s, &g));
   cudaGraphExec_t ge;
   CK(cudaGraphInstantiate(&ge, g, 0));
@@ -208,6 +191,31 @@ float time_chain(const Chain& c, const uint4* pool, int64_t pool_vec, unsigned* 
   CK(cudaGraphExecDestroy(ge));
   CK(cudaGraphDestroy(g));
   return ms;
+}
+
+// The chain as one graph of PDL launches, each phase on its own part of `pool`.
+float time_chain(const Chain& c, const uint4* pool, int64_t pool_vec, unsigned* words, int blocks, cudaStream_t s) {
+  return time_captured(s, [&] {
+    int64_t at = 0;
+    for (size_t p = 0; p < c.phases.size(); ++p) {
+      const int64_t n_vec = c.phases[p].bytes / 16;
+      if (at + n_vec > pool_vec) at = 0;  // never: main sizes the pool for the largest chain
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = blocks;
+      cfg.blockDim = kThreads;
+      cfg.stream = s;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      const unsigned* in = words + (p % 2) * blocks;
+      unsigned* out = words + ((p + 1) % 2) * blocks;
+      if (c.phases[p].early) CK(cudaLaunchKernelEx(&cfg, phase_kernel<true>, pool + at, n_vec, in, blocks, out));
+      else CK(cudaLaunchKernelEx(&cfg, phase_kernel<false>, pool + at, n_vec, in, blocks, out));
+      at += n_vec;
+    }
+  });
 }
 
 // The chain as one persistent_kernel launch (after zeroing the counter), timed like a graph.
@@ -223,17 +231,11 @@ float time_persistent(const Chain& c, const uint4* pool, unsigned* words, int bl
   CK(cudaMalloc(&d, desc.size() * sizeof(PhaseDesc)));
   CK(cudaMalloc(&counter, sizeof(unsigned)));
   CK(cudaMemcpy(d, desc.data(), desc.size() * sizeof(PhaseDesc), cudaMemcpyHostToDevice));
-  cudaGraph_t g;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  CK(cudaMemsetAsync(counter, 0, sizeof(unsigned), s));
-  persistent_kernel<<<blocks, kThreads, 0, s>>>(pool, d, static_cast<int>(desc.size()), words, counter);
-  CK(cudaGetLastError());
-  CK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t ge;
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  const float ms = time_graph(ge, s);
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
+  const float ms = time_captured(s, [&] {
+    CK(cudaMemsetAsync(counter, 0, sizeof(unsigned), s));
+    persistent_kernel<<<blocks, kThreads, 0, s>>>(pool, d, static_cast<int>(desc.size()), words, counter);
+    CK(cudaGetLastError());
+  });
   CK(cudaFree(d));
   CK(cudaFree(counter));
   return ms;
@@ -281,8 +283,8 @@ int main() {
   // 5 dense layers of 16 rows with RMSNorm kernels, lm_head, argmax), then the verification layers
   // (RMSNorm, q/k/v, attention, combine, o, RMSNorm, router, routing, SwiGLU, down), lm_head, argmax.
   {
-    std::vector<Phase> p = repeat({{0, true}, {qkv, true}, {attn / 2, true}, {0, true}, {o, true}, {0, true}, {draft_mlp * 2 / 3, true},
-                {draft_mlp / 3, true}},
+    std::vector<Phase> p = repeat({{0, true}, {qkv, true}, {attn / 2, true}, {0, true}, {o, true}, {0, true},
+                                   {draft_mlp * 2 / 3, true}, {draft_mlp / 3, true}},
                5, {});
     p.insert(p.begin(), {{qkv, true}, {0, true}});
     p.insert(p.end(), head.begin(), head.end());
